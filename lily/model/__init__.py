@@ -1,0 +1,1 @@
+"""The model's maths in plain PyTorch: the reference path that runs everywhere."""

@@ -1,0 +1,113 @@
+"""Session state carried between prefill chunks and decode steps.
+
+Per attention layer a KV cache; per DeltaNet layer the conv state (last ``kernel - 1``
+inputs of the causal conv) and the fp32 recurrent state. Shapes: docs/CONTRACTS.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lily.config import ModelConfig
+
+
+@dataclass
+class KVCache:
+    """K and V of shape (Hkv, capacity, Dh); positions [0, length) are valid."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    limit: int
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[1]
+
+    def ensure(self, n: int) -> None:
+        """Grow (doubling, capped at ``limit``) so that ``n`` positions fit."""
+        if n <= self.capacity:
+            return
+        if n > self.limit:
+            raise ValueError(f"context of {n} tokens exceeds the cache limit of {self.limit}")
+        cap = min(max(n, 2 * self.capacity), self.limit)
+        hkv, old, dh = self.k.shape
+        k = self.k.new_zeros(hkv, cap, dh)
+        v = self.v.new_zeros(hkv, cap, dh)
+        k[:, :old] = self.k
+        v[:, :old] = self.v
+        self.k, self.v = k, v
+
+
+@dataclass
+class DeltaNetState:
+    conv: torch.Tensor  # (kernel - 1, conv_dim), compute dtype
+    recurrent: torch.Tensor  # (Hv, K, Vd), fp32
+
+
+@dataclass
+class SessionState:
+    """Everything one sequence needs to continue; ``length`` tokens have been consumed."""
+
+    kv: dict[int, KVCache]
+    deltanet: dict[int, DeltaNetState]
+    limit: int
+    length: int = 0
+    tokens: list[int] = field(default_factory=list)
+
+    @classmethod
+    def new(
+        cls,
+        cfg: ModelConfig,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        limit: int,
+        initial_capacity: int = 256,
+    ) -> SessionState:
+        cap = min(initial_capacity, limit)
+        kv = {
+            i: KVCache(
+                torch.zeros(cfg.num_key_value_heads, cap, cfg.head_dim, device=device, dtype=dtype),
+                torch.zeros(cfg.num_key_value_heads, cap, cfg.head_dim, device=device, dtype=dtype),
+                limit,
+            )
+            for i in cfg.attn_layers
+        }
+        dn = {
+            i: DeltaNetState(
+                torch.zeros(
+                    cfg.linear_conv_kernel_dim - 1, cfg.conv_dim, device=device, dtype=dtype
+                ),
+                torch.zeros(
+                    cfg.linear_num_value_heads,
+                    cfg.linear_key_head_dim,
+                    cfg.linear_value_head_dim,
+                    device=device,
+                    dtype=torch.float32,
+                ),
+            )
+            for i in cfg.linear_layers
+        }
+        return cls(kv=kv, deltanet=dn, limit=limit)
+
+    def snapshot_recurrent(self) -> dict[int, DeltaNetState]:
+        """A copy of the DeltaNet states (they cannot be rewound, only restored)."""
+        return {
+            i: DeltaNetState(s.conv.clone(), s.recurrent.clone()) for i, s in self.deltanet.items()
+        }
+
+    def restore(self, snap: dict[int, DeltaNetState], length: int) -> None:
+        """Return to an earlier point: DeltaNet states from ``snap``, KV truncated to ``length``."""
+        for i, s in snap.items():
+            self.deltanet[i].conv.copy_(s.conv)
+            self.deltanet[i].recurrent.copy_(s.recurrent)
+        self.length = length
+        del self.tokens[length:]
+
+    def nbytes(self) -> int:
+        n = sum(c.k.numel() * c.k.element_size() * 2 for c in self.kv.values())
+        for s in self.deltanet.values():
+            n += s.conv.numel() * s.conv.element_size()
+            n += s.recurrent.numel() * s.recurrent.element_size()
+        return n
