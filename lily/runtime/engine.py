@@ -1,0 +1,154 @@
+"""The engine: a loaded model, its tokenizer, and generation for one request at a time."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from lily.config import EngineConfig, ModelConfig
+from lily.model.model import Model
+from lily.runtime.generate import (
+    LogitsProcessor,
+    ReferenceRunner,
+    Runner,
+    StepOutput,
+    Usage,
+    decode_loop,
+)
+from lily.runtime.sampling import SamplingParams
+from lily.runtime.state import SessionState
+from lily.tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ContextLengthError(ValueError):
+    """A prompt (plus the tokens asked for) does not fit in the context window."""
+
+
+class Engine:
+    """Owns the weights, the forward path and the session state of the current request."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: dict,
+        tokenizer: Tokenizer,
+        engine_cfg: EngineConfig,
+        model_name: str = "lily",
+    ):
+        self.cfg = cfg
+        self.engine_cfg = engine_cfg
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.dtype = DTYPES[engine_cfg.dtype]
+        self.model = Model(cfg, params, self.dtype)
+        self.max_context = min(engine_cfg.max_context, cfg.max_position_embeddings)
+        self.generation_defaults: dict = dict(tokenizer.generation_config or {})
+        self.runner: Runner = ReferenceRunner(self.model, engine_cfg.prefill_chunk)
+        self.last_usage = Usage()
+
+    # ---- construction
+    @classmethod
+    def load(
+        cls, model_dir: str | Path, engine_cfg: EngineConfig | None = None, progress: bool = True
+    ) -> Engine:
+        from lily.weights import load_params
+
+        engine_cfg = engine_cfg or EngineConfig()
+        model_dir = Path(model_dir)
+        cfg = ModelConfig.from_dir(model_dir)
+        tokenizer = Tokenizer.from_dir(model_dir)
+        params = load_params(
+            model_dir,
+            cfg,
+            device=engine_cfg.device,
+            dtype=DTYPES[engine_cfg.dtype],
+            load_mtp=engine_cfg.load_mtp,
+            quantize_on_load=4 if engine_cfg.quantize_on_load else None,
+            progress=progress,
+        )
+        return cls(cfg, params, tokenizer, engine_cfg, model_name=model_dir.name)
+
+    @classmethod
+    def tiny(cls, engine_cfg: EngineConfig | None = None, root: str | Path | None = None) -> Engine:
+        """The built-in tiny random model (written once to a cache folder)."""
+        return cls.load(tiny_model_dir(root), engine_cfg, progress=False)
+
+    # ---- requests
+    def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
+        return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, **kwargs))
+
+    def new_state(self) -> SessionState:
+        return SessionState.new(self.cfg, self.engine_cfg.device, self.dtype, self.max_context)
+
+    def check_fits(self, n_prompt: int, max_tokens: int | None) -> int:
+        """Tokens that may be generated; raises ContextLengthError when the prompt is too long."""
+        want = n_prompt + (max_tokens or 0)
+        if n_prompt == 0:
+            raise ValueError("the prompt is empty")
+        if n_prompt >= self.max_context or want > self.max_context:
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.max_context} tokens. However, "
+                f"you requested {want} tokens ({n_prompt} in the messages, "
+                f"{max_tokens or 0} in the completion). Please reduce the length of the "
+                "messages or completion."
+            )
+        return max_tokens if max_tokens is not None else self.max_context - n_prompt
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        cancelled: Callable[[], bool] = lambda: False,
+        logits_processor: LogitsProcessor | None = None,
+    ) -> Iterator[StepOutput]:
+        """Stream the continuation of ``prompt_ids``; see docs/CONTRACTS.md."""
+        params.validate()
+        max_new = self.check_fits(len(prompt_ids), params.max_tokens)
+        usage = self.last_usage = Usage(prompt_tokens=len(prompt_ids))
+        if max_new <= 0:
+            yield StepOutput(None, "", finish_reason="length")
+            return
+        state = self.new_state()
+        logits = self.runner.prefill(list(prompt_ids), state)
+        yield from decode_loop(
+            self.runner,
+            self.tokenizer,
+            state,
+            logits,
+            list(prompt_ids),
+            params,
+            max_new,
+            cancelled,
+            logits_processor,
+            usage,
+        )
+
+    def score(self, ids: list[int]) -> torch.Tensor:
+        """Teacher-forced fp32 logits (T, V) for every position, prefilled in chunks."""
+        state = self.new_state()
+        chunk = self.engine_cfg.prefill_chunk
+        out = []
+        with torch.inference_mode():
+            for i in range(0, len(ids), chunk):
+                t = torch.tensor(ids[i : i + chunk], dtype=torch.long, device=self.model.device)
+                out.append(self.model.forward(t, state, all_logits=True).cpu())
+        return torch.cat(out)
+
+
+def tiny_model_dir(root: str | Path | None = None) -> Path:
+    """Where the built-in tiny model lives (under ``root``, default ~/.cache/lily)."""
+    from lily.checkpoint import TINY_TEXT_CONFIG, write_random_checkpoint
+
+    root = Path(root) if root is not None else Path.home() / ".cache" / "lily"
+    d = root / "tiny-mlx4"
+    marker = d / ".complete"
+    if not marker.exists():
+        d.mkdir(parents=True, exist_ok=True)
+        write_random_checkpoint(d, TINY_TEXT_CONFIG, "mlx4", seed=0)
+        marker.write_text(json.dumps({"layout": "mlx4"}))
+    return d
