@@ -64,8 +64,9 @@ def load_engine(args: argparse.Namespace):
 
     ecfg = engine_config(args)
     if not args.model:
-        print("lily: no --model given: using the built-in tiny random model "
-              "(its output is noise; point --model at a real checkpoint)", file=sys.stderr)  # fmt: skip
+        msg = ("lily: no --model given: using the built-in tiny random model "
+               "(its output is noise; point --model at a real checkpoint)")  # fmt: skip
+        print(msg, file=sys.stderr)
         return Engine.tiny(ecfg)
     return Engine.load(args.model, ecfg)
 
