@@ -420,7 +420,8 @@ class Tokenizer:
             for name, text in [("", chat_template), *self._named.items()]
             if text is not None
         }
-        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        # max id + 1, not the token count: a tokenizer.json may leave gaps in its ids
+        self.vocab_size: int = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
         added = tokenizer.get_added_tokens_decoder()
         self.special_ids = frozenset(i for i, t in added.items() if t.special)
         self._added_text = {i: t.content for i, t in added.items()}
@@ -454,7 +455,10 @@ class Tokenizer:
         template, named = None, {}
         jinja_file = root / "chat_template.jinja"
         if jinja_file.is_file():
-            template = jinja_file.read_text(encoding="utf-8")
+            try:
+                template = jinja_file.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise TokenizerError(f"{jinja_file}: cannot read: {e}") from e
         else:
             raw = config.get("chat_template")
             if isinstance(raw, str):
@@ -492,6 +496,8 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special-token text in it (e.g. `<|im_start|>`) is matched."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode needs a str, got {type(text).__name__}")
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
