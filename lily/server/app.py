@@ -1,0 +1,336 @@
+"""The FastAPI app: routes, API keys, request ids, CORS and OpenAI-shaped errors.
+
+``lily serve`` (lily/cli.py) calls ``add_serve_args`` and ``run_server``. The engine loads in
+a background thread so ``/health`` answers 503 while it loads; then one worker thread runs
+requests one at a time (serving.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from lily.server.grammar import GrammarCompiler
+from lily.server.handlers import prepare_chat, prepare_completion, run_full, run_stream
+from lily.server.metrics import Metrics
+from lily.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from lily.server.serving import QueueFull, Scheduler
+
+log = logging.getLogger("lily.server")
+
+
+@dataclass
+class Settings:
+    """Server options (from the command line)."""
+
+    served_model_names: list[str] = field(default_factory=list)
+    api_keys: list[str] = field(default_factory=list)
+    queue_size: int = 64
+    default_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    cors_origins: list[str] = field(default_factory=list)
+    keepalive: float = 5.0
+    log_requests: bool = False
+
+
+class Context:
+    """What request handlers need: the engine, its scheduler and the server's options."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.status = "loading"
+        self.error = ""
+        self.engine: Any = None
+        self.scheduler: Scheduler | None = None
+        self.grammars: GrammarCompiler | None = None
+        self.metrics = Metrics(settings.served_model_names[0] if settings.served_model_names
+                               else "lily")  # fmt: skip
+        self.model_names = list(settings.served_model_names)
+        self.default_template_kwargs = dict(settings.default_template_kwargs)
+        self.keepalive = settings.keepalive
+        self.log_requests = settings.log_requests
+        self.vocab_size = 0
+        self.created = int(time.time())
+
+    def attach(self, engine: Any) -> None:
+        self.engine = engine
+        if not self.model_names:
+            self.model_names = [engine.model_name]
+        self.metrics.model_name = self.model_names[0]
+        cfg = getattr(engine, "cfg", None)
+        self.vocab_size = max(getattr(cfg, "vocab_size", 0), engine.tokenizer.vocab_size)
+        self.grammars = GrammarCompiler(engine.tokenizer)
+        self.scheduler = Scheduler(engine, self.metrics, self.settings.queue_size)
+        self.scheduler.start()
+        self.status = "ready"
+
+    def ready(self) -> Context:
+        if self.status != "ready" or self.scheduler is None or not self.scheduler.alive:
+            msg = "the model is still loading" if self.status == "loading" else "engine is down"
+            raise ApiError(503, msg, type="service_unavailable", headers={"Retry-After": "5"})
+        return self
+
+
+def _error(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+class _Gate:
+    """Pure ASGI middleware (streaming-safe): echo X-Request-Id, check API keys on /v1/*."""
+
+    def __init__(self, app: ASGIApp, keys: list[str]) -> None:
+        self.app = app
+        self.keys = [k.encode() for k in keys]
+
+    def _authorized(self, header: bytes) -> bool:
+        scheme, _, token = header.partition(b" ")
+        ok = False
+        for key in self.keys:  # no early exit: the time taken does not depend on which key
+            ok |= hmac.compare_digest(token.strip(), key)
+        return ok and scheme.lower() == b"bearer"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        rid = headers.get(b"x-request-id", b"").decode("latin-1")[:128] or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", rid.encode())]
+            await send(message)
+
+        path = scope.get("path", "")
+        if self.keys and path.startswith("/v1") and scope.get("method") != "OPTIONS":
+            if not self._authorized(headers.get(b"authorization", b"")):
+                e = ApiError(401, "Invalid or missing API key (send 'Authorization: Bearer KEY')",
+                             type="authentication_error", code="invalid_api_key",
+                             headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+                await _error(e)(scope, receive, send_with_id)
+                return
+        await self.app(scope, receive, send_with_id)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errs = exc.errors()
+    if not errs:
+        return "invalid request", None
+    e = errs[0]
+    if e.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {e.get('msg', '')}", None
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    # Union members add their type names to the location; keep the field path.
+    path = []
+    for x in loc:
+        if x.isdigit() or x.isidentifier() and not x[:1].isupper() and x not in ("str", "list"):
+            path.append(x)
+    param = ".".join(path) or None
+    msg = e.get("msg", "invalid value")
+    return (f"{param}: {msg}" if param else msg), param
+
+
+def create_app(load_engine: Callable[[], Any], settings: Settings) -> FastAPI:
+    """The app; ``load_engine`` runs in a background thread at startup."""
+    ctx = Context(settings)
+
+    async def lifespan(app: FastAPI):  # noqa: ANN202
+        def load() -> None:
+            try:
+                ctx.attach(load_engine())
+                log.info("model ready: %s", ", ".join(ctx.model_names))
+            except Exception as e:
+                log.exception("loading the model failed")
+                ctx.status, ctx.error = "failed", f"{type(e).__name__}: {e}"
+
+        threading.Thread(target=load, name="lily-load", daemon=True).start()
+        yield
+        if ctx.scheduler is not None:
+            ctx.scheduler.stop()
+
+    app = FastAPI(title="lily", version="0.1.0", lifespan=lifespan)
+    app.state.ctx = ctx
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return _error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        msg, param = _validation_message(exc)
+        return _error(ApiError(400, msg, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        e = ApiError(exc.status_code, str(exc.detail), type=kind)
+        e.headers = dict(exc.headers or {})
+        return _error(e)
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return _error(ApiError(500, f"internal error: {type(exc).__name__}", type="server_error"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if ctx.status == "ready" and ctx.scheduler is not None and ctx.scheduler.alive:
+            return JSONResponse({"status": "ok"})
+        body = {"status": ctx.status if ctx.status != "ready" else "dead", "error": ctx.error}
+        return JSONResponse(body, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return PlainTextResponse(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        c = ctx.ready()
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": c.created,
+                "owned_by": "lily",
+                "root": name,
+                "max_model_len": c.engine.max_context,
+            }  # fmt: skip
+            for name in c.model_names
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def dispatch(prepare: Callable, req: Any, request: Request) -> Response:
+        c = ctx.ready()
+        rid = request.scope["state"]["request_id"]
+        p = await asyncio.to_thread(prepare, req, c, rid)
+        try:
+            c.scheduler.submit(p.job)
+        except QueueFull:
+            raise ApiError(
+                429,
+                f"the server is busy: {c.settings.queue_size} requests are already waiting",
+                type="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(_retry_after(c))},
+            ) from None
+        model = req.model or c.model_names[0]
+        if p.stream:
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return StreamingResponse(
+                run_stream(p, c, model), media_type="text/event-stream", headers=headers
+            )
+        return JSONResponse(await run_full(p, c, model, request.is_disconnected))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        return await dispatch(prepare_chat, req, request)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        return await dispatch(prepare_completion, req, request)
+
+    app = _Gate(app, settings.api_keys)  # type: ignore[assignment]
+    if settings.cors_origins:
+        app = CORSMiddleware(  # type: ignore[assignment]
+            app, allow_origins=settings.cors_origins, allow_methods=["*"],
+            allow_headers=["*"], expose_headers=["X-Request-Id"],
+        )  # fmt: skip
+    return app
+
+
+def _retry_after(ctx: Context) -> int:
+    h = ctx.metrics.histograms["e2e_request_latency_seconds"]
+    mean = h.total / h.n if h.n else 1.0
+    return max(1, min(60, math.ceil(mean)))
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """Server flags for ``lily serve`` (the engine flags come from the CLI)."""
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", action="append", default=[],
+                   help="accept this bearer key on /v1/* (repeatable)")  # fmt: skip
+    p.add_argument("--api-key-file", help="file with one API key per line")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use (default: the checkpoint's folder)")  # fmt: skip
+    p.add_argument("--queue-size", type=int, default=64,
+                   help="requests that may wait; more get 429 (default 64)")  # fmt: skip
+    p.add_argument("--default-chat-template-kwargs", default=None,
+                   help='JSON, e.g. \'{"enable_thinking": false}\'')  # fmt: skip
+    p.add_argument("--cors-origins", nargs="+", default=[],
+                   help="allowed CORS origins (default: CORS off)")  # fmt: skip
+    p.add_argument("--keepalive", type=float, default=5.0,
+                   help="seconds between SSE keep-alive comments while a stream waits")  # fmt: skip
+    p.add_argument("--log-requests", action="store_true",
+                   help="log prompts (off by default: prompts are private)")  # fmt: skip
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Settings from parsed flags; a bad value raises ValueError naming the flag."""
+    keys = list(args.api_key or [])
+    if args.api_key_file:
+        with open(args.api_key_file, encoding="utf-8") as f:
+            keys += [line.strip() for line in f if line.strip()]
+    if any(not k.isprintable() or " " in k for k in keys):
+        raise ValueError("--api-key: keys must be printable and contain no spaces")
+    kwargs: dict[str, Any] = {}
+    if args.default_chat_template_kwargs:
+        try:
+            kwargs = json.loads(args.default_chat_template_kwargs)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--default-chat-template-kwargs: not valid JSON ({e})") from None
+        if not isinstance(kwargs, dict):
+            raise ValueError("--default-chat-template-kwargs: expected a JSON object")
+    if args.queue_size < 0:
+        raise ValueError("--queue-size: must be >= 0")
+    if not 0 < args.keepalive <= 3600:
+        raise ValueError("--keepalive: must be in (0, 3600] seconds")
+    return Settings(
+        served_model_names=list(args.served_model_name or []),
+        api_keys=keys,
+        queue_size=args.queue_size,
+        default_template_kwargs=kwargs,
+        cors_origins=list(args.cors_origins or []),
+        keepalive=args.keepalive,
+        log_requests=args.log_requests,
+    )
+
+
+def run_server(args: argparse.Namespace, load_engine: Callable[[], Any] | None = None) -> int:
+    """``lily serve``: build the app and run uvicorn until interrupted."""
+    import uvicorn
+
+    settings = settings_from_args(args)
+    if load_engine is None:
+        from lily.cli import load_engine as cli_load_engine
+
+        def load_engine() -> Any:
+            return cli_load_engine(args)
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_keys:
+        log.warning("serving on %s without an API key: anyone who can reach it may use it",
+                    args.host)  # fmt: skip
+    app = create_app(load_engine, settings)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5)  # fmt: skip
+    return 0

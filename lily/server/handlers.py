@@ -1,0 +1,356 @@
+"""Request handling: prompt, sampling parameters and constraints in; responses out.
+
+``prepare_chat`` / ``prepare_completion`` check a request and build the engine job (all
+client mistakes become 400s here, before anything is queued); ``run_stream`` and
+``run_full`` turn the job's steps into an SSE stream or one JSON body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lily.runtime.engine import ContextLengthError
+from lily.runtime.sampling import SamplingParams
+from lily.server.grammar import json_grammar, tool_grammar
+from lily.server.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    NamedToolChoice,
+    SamplingFields,
+    bad_request,
+    check_request,
+    usage_dict,
+)
+from lily.server.reasoning import prompt_opens_thinking
+from lily.server.responses import ChatOutput, ChunkMaker, LogprobFormatter, chat_delta_json
+from lily.server.serving import Job
+from lily.tokenizer import ChatTemplateError
+
+log = logging.getLogger("lily.server")
+
+_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+              "presence_penalty", "frequency_penalty")  # fmt: skip
+
+
+@dataclass
+class Prepared:
+    """A checked request: the engine job and how to present its output."""
+
+    kind: str  # "chat" or "completion"
+    job: Job
+    stream: bool
+    include_usage: bool
+    reasoning_mode: str = "content"
+    tools: list[dict[str, Any]] | None = None  # parse tool calls against these
+    logprobs: bool = False
+    echo: str = ""
+
+
+def _sampling(req: SamplingFields, ctx: Any, n_prompt: int, max_tokens: int | None) -> Any:
+    engine = ctx.engine
+    try:
+        engine.check_fits(n_prompt, max_tokens)
+    except ContextLengthError as e:
+        param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+        if max_tokens is not None and n_prompt < engine.max_context:
+            param = "max_tokens"
+        raise ApiError(400, str(e), param=param, code="context_length_exceeded") from None
+    except ValueError as e:
+        raise bad_request(str(e), "prompt") from None
+    defaults = engine.generation_defaults or {}
+    kw = {n: defaults[n] for n in _DEFAULTED if defaults.get(n) is not None}
+    kw.update({n: getattr(req, n) for n in _DEFAULTED if getattr(req, n) is not None})
+    if isinstance(req, ChatCompletionRequest):
+        lp = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        lp = req.logprobs
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    try:
+        params = SamplingParams(
+            **kw,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            stop=tuple(stop),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=bool(req.ignore_eos),
+            logprobs=lp,
+        )
+        params.validate()
+    except (TypeError, ValueError) as e:
+        msg = str(e)
+        raise bad_request(msg, msg.split(":", 1)[0] if ":" in msg else None) from None
+    return params
+
+
+def _check_model(req: SamplingFields, ctx: Any) -> None:
+    if req.model is not None and req.model not in ctx.model_names:
+        raise ApiError(
+            404,
+            f"The model `{req.model}` does not exist.",
+            type="NotFoundError",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def prepare_chat(req: ChatCompletionRequest, ctx: Any, request_id: str) -> Prepared:
+    """Render the prompt, build sampling parameters and the constraint. Runs in a thread."""
+    check_request(req)
+    _check_model(req, ctx)
+    engine = ctx.engine
+    kwargs = {**ctx.default_template_kwargs, **(req.chat_template_kwargs or {})}
+    enable_thinking = kwargs.pop("enable_thinking", True)
+    for reserved in ("messages", "tools", "add_generation_prompt"):
+        kwargs.pop(reserved, None)
+    messages = []
+    for m in req.messages:
+        d = m.model_dump(exclude_none=True)
+        if d["role"] == "developer":
+            d["role"] = "system"
+        messages.append(d)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    try:
+        prompt = engine.tokenizer.apply_chat_template(
+            messages, tools=tools, enable_thinking=bool(enable_thinking), **kwargs
+        )
+    except ChatTemplateError as e:
+        raise bad_request(str(e), "messages") from None
+    ids = engine.tokenizer.encode(prompt)
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    params = _sampling(req, ctx, len(ids), max_tokens)
+
+    if prompt_opens_thinking(prompt):
+        mode = "reasoning"
+    else:
+        mode = "content" if enable_thinking is False else "detect"
+    after_think = mode == "reasoning"
+    grammar = None
+    choice = req.tool_choice
+    if tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
+        name = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        grammar, param = tool_grammar(tools, name, after_think), "tool_choice"
+    elif req.response_format is not None and req.response_format.type != "text":
+        rf = req.response_format
+        schema: Any = {"type": "object"}
+        if rf.type == "json_schema":
+            schema = rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {}
+        grammar, param = json_grammar(schema, after_think), "response_format"
+    processor = None
+    if grammar is not None:
+        processor = ctx.grammars.processor(grammar, ctx.vocab_size, after_think, param)
+    if ctx.log_requests:
+        log.info("request %s prompt: %r", request_id, prompt)
+    return Prepared(
+        kind="chat",
+        job=Job(ids, params, processor, request_id=request_id),
+        stream=bool(req.stream),
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        reasoning_mode=mode,
+        tools=tools if tools and choice != "none" else None,
+        logprobs=bool(req.logprobs),
+    )
+
+
+def prepare_completion(req: CompletionRequest, ctx: Any, request_id: str) -> Prepared:
+    """Tokenize the prompt (text or ids) and build sampling parameters. Runs in a thread."""
+    check_request(req)
+    _check_model(req, ctx)
+    p = req.prompt
+    if isinstance(p, list) and p and isinstance(p[0], str | list):
+        if len(p) != 1:
+            raise bad_request("prompt: only one prompt per request is supported", "prompt")
+        p = p[0]
+    if isinstance(p, str):
+        text, ids = p, ctx.engine.tokenizer.encode(p)
+    else:
+        ids = list(p)
+        if any(not isinstance(i, int) or not 0 <= i < ctx.vocab_size for i in ids):
+            raise bad_request(f"prompt: token ids must be in [0, {ctx.vocab_size})", "prompt")
+        text = ctx.engine.tokenizer.decode(ids)
+    if not ids:
+        raise bad_request("prompt: the prompt is empty", "prompt")
+    params = _sampling(req, ctx, len(ids), req.max_tokens)
+    processor = None
+    if req.response_format is not None and req.response_format.type != "text":
+        rf = req.response_format
+        schema: Any = {"type": "object"}
+        if rf.type == "json_schema":
+            schema = rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {}
+        grammar = json_grammar(schema, False)
+        processor = ctx.grammars.processor(grammar, ctx.vocab_size, False, "response_format")
+    if ctx.log_requests:
+        log.info("request %s prompt: %r", request_id, text)
+    return Prepared(
+        kind="completion",
+        job=Job(ids, params, processor, request_id=request_id),
+        stream=bool(req.stream),
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        logprobs=req.logprobs is not None,
+        echo=text if req.echo else "",
+    )
+
+
+async def events(
+    job: Job, keepalive: float | None, disconnected: Callable[[], Awaitable[bool]] | None = None
+) -> AsyncIterator[tuple[str, Any]]:
+    """The job's events; ("keepalive", None) when nothing came for ``keepalive`` seconds.
+
+    ``disconnected`` (non-streaming requests) is polled meanwhile: a client that went away
+    cancels its job.
+    """
+    wait = keepalive if disconnected is None else 0.5
+    while True:
+        try:
+            kind, value = await asyncio.wait_for(job.out.get(), timeout=wait)
+        except TimeoutError:
+            if disconnected is not None:
+                if await disconnected():
+                    raise asyncio.CancelledError from None
+                continue
+            yield "keepalive", None
+            continue
+        yield kind, value
+        if kind in ("done", "error"):
+            return
+
+
+def _usage(usage: Any, reasoning_tokens: int) -> dict[str, Any]:
+    return usage_dict(
+        usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens, reasoning_tokens
+    )
+
+
+def engine_error(e: BaseException) -> ApiError:
+    if isinstance(e, ContextLengthError):
+        return ApiError(400, str(e), param="messages", code="context_length_exceeded")
+    return ApiError(500, f"engine error: {type(e).__name__}: {e}", type="server_error")
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def run_stream(p: Prepared, ctx: Any, model: str) -> AsyncIterator[str]:
+    """SSE body: role first, deltas, a finish chunk, usage if asked, then [DONE]."""
+    maker = ChunkMaker(p.kind, model, p.include_usage)
+    job = p.job
+    eos = set(ctx.engine.tokenizer.eos_token_ids)
+    out = ChatOutput(ctx.engine.tokenizer, p.reasoning_mode, p.tools, p.logprobs, eos)
+    fmt = LogprobFormatter(ctx.engine.tokenizer)
+    reason = None
+    try:
+        if p.kind == "chat":
+            yield _sse(maker.chunk({"role": "assistant", "content": ""}))
+        elif p.echo:
+            yield _sse(maker.chunk(text=p.echo))
+        async for kind, value in events(job, ctx.keepalive):
+            if kind == "keepalive":
+                yield ": keep-alive\n\n"
+            elif kind == "error":
+                yield _sse(engine_error(value).body())
+                break
+            elif kind == "step":
+                reason = value.finish_reason
+                if p.kind == "chat":
+                    d = out.push(value)
+                    for wire in chat_delta_json(d):
+                        lp = {"content": d.logprobs} if p.logprobs and d.logprobs else None
+                        d.logprobs = []
+                        yield _sse(maker.chunk(wire, logprobs=lp))
+                elif value.token_id is not None and (value.text or p.logprobs):
+                    lp = None
+                    if p.logprobs and value.logprob is not None:
+                        t, v, top = fmt.completion_entry(value)
+                        lp = {"tokens": [t], "token_logprobs": [v], "top_logprobs": [top],
+                              "text_offset": [0]}  # fmt: skip
+                    yield _sse(maker.chunk(text=value.text, logprobs=lp))
+            elif kind == "done":
+                if p.kind == "chat":
+                    d = out.finish()
+                    lp = {"content": d.logprobs} if p.logprobs and d.logprobs else None
+                    for wire in chat_delta_json(d) or ([{}] if lp else []):
+                        yield _sse(maker.chunk(wire, logprobs=lp))
+                        lp = None
+                    fr = out.finish_reason(reason)
+                    yield _sse(maker.chunk({}, finish_reason=fr))
+                    rt = out.reasoning_tokens
+                else:
+                    fr = "length" if reason == "length" else "stop"
+                    yield _sse(maker.chunk(text="", finish_reason=fr))
+                    rt = 0
+                if p.include_usage:
+                    yield _sse(maker.usage_chunk(_usage(value, rt)))
+        yield "data: [DONE]\n\n"
+    finally:
+        ctx.scheduler.cancel(job)  # no-op when finished; frees the engine on disconnect
+
+
+async def run_full(
+    p: Prepared, ctx: Any, model: str, disconnected: Callable[[], Awaitable[bool]]
+) -> dict[str, Any]:
+    """The whole response as one object; raises ApiError on an engine fault."""
+    job = p.job
+    eos = set(ctx.engine.tokenizer.eos_token_ids)
+    out = ChatOutput(ctx.engine.tokenizer, p.reasoning_mode, p.tools, p.logprobs, eos)
+    fmt = LogprobFormatter(ctx.engine.tokenizer)
+    text, reason, usage = "", None, None
+    lps: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                            "text_offset": []}  # fmt: skip
+    try:
+        async for kind, value in events(job, None, disconnected):
+            if kind == "error":
+                raise engine_error(value)
+            if kind == "step":
+                reason = value.finish_reason
+                if p.kind == "chat":
+                    out.push(value)
+                    continue
+                if value.token_id is None:
+                    continue
+                if (
+                    p.logprobs
+                    and value.logprob is not None
+                    and not (reason == "stop" and value.token_id in eos)
+                ):
+                    t, v, top = fmt.completion_entry(value)
+                    lps["text_offset"].append(len(p.echo) + len(text))
+                    lps["tokens"].append(t)
+                    lps["token_logprobs"].append(v)
+                    lps["top_logprobs"].append(top)
+                text += value.text
+            elif kind == "done":
+                usage = value
+    finally:
+        ctx.scheduler.cancel(job)
+    maker = ChunkMaker(p.kind, model, False)
+    if p.kind == "chat":
+        out.finish()
+        choice = {
+            "index": 0,
+            "message": out.message(),
+            "logprobs": {"content": out.all_logprobs} if p.logprobs else None,
+            "finish_reason": out.finish_reason(reason),
+        }
+        obj, rt = "chat.completion", out.reasoning_tokens
+    else:
+        choice = {
+            "index": 0,
+            "text": p.echo + text,
+            "logprobs": lps if p.logprobs else None,
+            "finish_reason": "length" if reason == "length" else "stop",
+        }
+        obj, rt = "text_completion", 0
+    return {
+        "id": maker.id,
+        "object": obj,
+        "created": maker.created,
+        "model": model,
+        "choices": [choice],
+        "usage": _usage(usage, rt),
+    }

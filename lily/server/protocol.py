@@ -1,0 +1,188 @@
+"""OpenAI wire schemas for requests (pydantic) and small builders for responses.
+
+Unknown request fields are accepted and ignored: agents send ``user``, ``store``,
+``metadata`` and more. Ranges are checked here so a bad value is a 400 naming its ``param``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's ``{"error": {message, type, param, code}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str | dict[str, Any] = ""
+
+
+class ToolCallIn(_Lenient):
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+class FunctionDef(_Lenient):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedToolChoiceFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"] = "function"
+    function: NamedToolChoiceFunction
+
+
+class JsonSchemaSpec(_Lenient):
+    name: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _need_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema field")
+        return self
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class SamplingFields(_Lenient):
+    """Fields shared by chat and completions."""
+
+    model: str | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = False
+    n: int | None = 1
+    response_format: ResponseFormat | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+def check_request(req: SamplingFields) -> None:
+    """Checks pydantic's field types cannot express; each error names its param."""
+    if req.n not in (None, 1):
+        raise bad_request("n: only n=1 is supported", "n")
+    if isinstance(req.stop, list) and len(req.stop) > 16:
+        raise bad_request("stop: at most 16 stop strings", "stop")
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("top_logprobs: needs logprobs set to true", "top_logprobs")
+        if req.tool_choice is not None and not req.tools:
+            raise bad_request("tool_choice: only allowed when tools are given", "tool_choice")
+        if isinstance(req.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in req.tools or []]
+            if req.tool_choice.function.name not in names:
+                raise bad_request(
+                    f"tool_choice: function {req.tool_choice.function.name!r} is not in tools",
+                    "tool_choice",
+                )
+    if isinstance(req, CompletionRequest):
+        if req.best_of not in (None, 1):
+            raise bad_request("best_of: only best_of=1 is supported", "best_of")
+        if req.suffix:
+            raise bad_request("suffix: not supported by this model", "suffix")
+
+
+def usage_dict(prompt: int, completion: int, cached: int, reasoning: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+        "completion_tokens_details": {"reasoning_tokens": reasoning},
+    }
