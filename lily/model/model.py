@@ -34,6 +34,7 @@ class Model:
             raise ValueError(
                 f"context of {start + ids.shape[0]} tokens exceeds the limit of {state.limit}"
             )
+        state.busy = True
         x = embedding(ids, p["embed_tokens"], self.dtype)
         for i, kind in enumerate(cfg.layer_types):
             pre = f"layers.{i}."
@@ -46,6 +47,7 @@ class Model:
             x = x + moe_layer(p, pre + "moe.", h, cfg)
         state.length = start + ids.shape[0]
         state.tokens.extend(ids.tolist())
+        state.busy = False
         return rms_norm(x, p["norm"], cfg.rms_norm_eps)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from lily.runtime.generate import (
     Usage,
     decode_loop,
 )
+from lily.runtime.prefix_cache import PrefixCache
 from lily.runtime.sampling import SamplingParams
 from lily.runtime.state import SessionState
 from lily.tokenizer import Tokenizer
@@ -50,6 +51,14 @@ class Engine:
         self.generation_defaults: dict = dict(tokenizer.generation_config or {})
         self.runner: Runner = ReferenceRunner(self.model, engine_cfg.prefill_chunk)
         self.last_usage = Usage()
+        self.state = self.new_state()  # the working state; the prefix cache owns copies
+        self.prefix_cache = PrefixCache(
+            int(engine_cfg.prefix_cache_gb * 2**30),
+            int(engine_cfg.prefix_cache_host_gb * 2**30),
+            engine_cfg.device,
+        )
+        ids = (tokenizer.im_start_id,)
+        self.boundary_ids = {i for i in ids if i is not None}
 
     # ---- construction
     @classmethod
@@ -113,19 +122,56 @@ class Engine:
         if max_new <= 0:
             yield StepOutput(None, "", finish_reason="length")
             return
-        state = self.new_state()
-        logits = self.runner.prefill(list(prompt_ids), state)
-        yield from decode_loop(
-            self.runner,
-            self.tokenizer,
-            state,
-            logits,
-            list(prompt_ids),
-            params,
-            max_new,
-            cancelled,
-            logits_processor,
-            usage,
+        prompt = list(prompt_ids)
+        try:
+            logits = self.prefill(prompt, usage)
+            yield from decode_loop(
+                self.runner,
+                self.tokenizer,
+                self.state,
+                logits,
+                prompt,
+                params,
+                max_new,
+                cancelled,
+                logits_processor,
+                usage,
+            )
+        except BaseException:
+            # A fault (or an abandoned generator) mid-step can leave the working state
+            # half-updated: forget it rather than resume from it later.
+            if not _consistent(self.state):
+                self.reset()
+            raise
+
+    def prefill(self, prompt: list[int], usage: Usage | None = None) -> torch.Tensor:
+        """Bring the working state to the end of ``prompt``, reusing what it can.
+
+        Returns the logits of the last prompt token. Snapshots are saved before every turn
+        start in the newly prefilled part, so the next request can resume there.
+        """
+        reuse = self.engine_cfg.prefix_cache_gb > 0
+        if reuse:
+            start = self.prefix_cache.acquire(prompt, self.state)
+        else:
+            self.reset()
+            start = 0
+        if usage is not None:
+            usage.cached_tokens = start
+        cuts = PrefixCache.snapshot_points(prompt, start, self.boundary_ids) if reuse else []
+        pos, logits = start, None
+        for cut in [*cuts, len(prompt)]:
+            logits = self.runner.prefill(prompt[pos:cut], self.state)
+            pos = cut
+            if cut < len(prompt):
+                self.prefix_cache.save(cut, self.state)
+        return logits
+
+    def reset(self) -> None:
+        """Drop the working state and every saved one."""
+        self.state = self.new_state()
+        self.prefix_cache = PrefixCache(
+            self.prefix_cache.budget, self.prefix_cache.host_budget, self.engine_cfg.device
         )
 
     def score(self, ids: list[int]) -> torch.Tensor:
@@ -138,6 +184,10 @@ class Engine:
                 t = torch.tensor(ids[i : i + chunk], dtype=torch.long, device=self.model.device)
                 out.append(self.model.forward(t, state, all_logits=True).cpu())
         return torch.cat(out)
+
+
+def _consistent(state: SessionState) -> bool:
+    return not state.busy and len(state.tokens) == state.length
 
 
 def tiny_model_dir(root: str | Path | None = None) -> Path:

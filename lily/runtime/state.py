@@ -55,6 +55,9 @@ class SessionState:
     limit: int
     length: int = 0
     tokens: list[int] = field(default_factory=list)
+    # NOTE: set while a forward is updating the state in place; still set after a
+    # fault means the state is half-updated and must not be resumed from.
+    busy: bool = False
 
     @classmethod
     def new(

@@ -1,0 +1,115 @@
+"""The reference forward against the independent references, on checkpoints they wrote."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lily.config import ModelConfig
+from lily.model.model import Model
+from lily.runtime.state import SessionState
+from lily.weights import load_params
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def make_model(path) -> Model:
+    cfg = ModelConfig.from_dir(path)
+    return Model(cfg, load_params(path, cfg, dtype=torch.float32, progress=False), torch.float32)
+
+
+def run(model: Model, ids: torch.Tensor, chunks: list[int] | None = None) -> torch.Tensor:
+    """All-position logits, prefilling in the given chunk sizes (one shot by default)."""
+    state = SessionState.new(model.cfg, "cpu", torch.float32, 4096, initial_capacity=8)
+    chunks = chunks or [len(ids)]
+    out, i = [], 0
+    for c in chunks:
+        out.append(model.forward(ids[i : i + c], state, all_logits=True))
+        i += c
+    assert i == len(ids)
+    return torch.cat(out)
+
+
+@pytest.fixture(scope="module")
+def hf_model(hf_tiny_dir) -> Model:
+    return make_model(hf_tiny_dir)
+
+
+def test_unquantized_matches_transformers(hf_model, tiny_hf_model):
+    torch.manual_seed(1)
+    ids = torch.randint(0, hf_model.cfg.vocab_size, (70,))
+    with torch.no_grad():
+        ref = tiny_hf_model(ids[None]).logits[0].float()
+    assert rel_l2(run(hf_model, ids), ref) <= 1e-4
+
+
+def test_chunked_prefill_equals_one_shot(hf_model):
+    torch.manual_seed(2)
+    ids = torch.randint(0, hf_model.cfg.vocab_size, (53,))
+    one = run(hf_model, ids)
+    for chunks in ([1] * 53, [7] * 7 + [4], [16, 16, 16, 5], [52, 1]):
+        assert rel_l2(run(hf_model, ids, chunks), one) <= 1e-5, chunks
+
+
+def test_prefill_then_decode_equals_forward_of_n_plus_one(hf_model):
+    torch.manual_seed(3)
+    ids = torch.randint(0, hf_model.cfg.vocab_size, (31,))
+    full = run(hf_model, ids)[-1]
+    state = SessionState.new(hf_model.cfg, "cpu", torch.float32, 4096)
+    hf_model.forward(ids[:30], state)
+    step = hf_model.forward(ids[30:], state)[0]
+    assert state.length == 31
+    assert rel_l2(step, full) <= 1e-5
+
+
+def _mlx_model_fp32(path):
+    mx = pytest.importorskip("mlx.core")
+    from mlx.utils import tree_map
+    from mlx_lm import load
+
+    model, _ = load(str(path))
+    # Quantized codes stay uint32; every float tensor (scales and biases too) goes to fp32,
+    # which is exact for bf16 values.
+    model.update(
+        tree_map(
+            lambda a: a.astype(mx.float32) if a.dtype == mx.bfloat16 else a, model.parameters()
+        )  # fmt: skip
+    )
+    return mx, model
+
+
+def test_4bit_matches_mlx_lm_on_same_bytes(mlx4_dir):
+    mx, ref = _mlx_model_fp32(mlx4_dir)
+    model = make_model(mlx4_dir)
+    torch.manual_seed(4)
+    ids = torch.randint(0, model.cfg.vocab_size, (48,))
+    theirs = torch.from_numpy(np.array(ref(mx.array(ids.numpy())[None]).astype(mx.float32))[0])
+    assert rel_l2(run(model, ids), theirs) <= 1e-3
+
+
+def test_4bit_greedy_continuation_matches_mlx_lm(mlx4_dir):
+    mx, ref = _mlx_model_fp32(mlx4_dir)
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = make_model(mlx4_dir)
+    prompt = [5, 17, 200, 3, 99, 41, 250, 8]
+    cache = make_prompt_cache(ref)
+    logits = ref(mx.array(prompt)[None], cache=cache)
+    theirs = []
+    for _ in range(32):
+        tok = int(mx.argmax(logits[0, -1]).item())
+        theirs.append(tok)
+        logits = ref(mx.array([[tok]]), cache=cache)
+
+    state = SessionState.new(model.cfg, "cpu", torch.float32, 4096)
+    lg = model.forward(torch.tensor(prompt), state)[0]
+    ours = []
+    for _ in range(32):
+        tok = int(lg.argmax())
+        ours.append(tok)
+        lg = model.forward(torch.tensor([tok]), state)[0]
+    assert len(set(ours)) > 1, "a degenerate continuation would prove little"
+    assert ours == theirs

@@ -1,0 +1,55 @@
+"""The command line on checkpoints written by `lily init` and by transformers."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import torch
+
+from lily.cli import main
+
+
+def test_init_then_generate_and_score(tmp_path, capsys):
+    out = tmp_path / "tiny"
+    assert main(["init", str(out), "--config", "tiny", "--layout", "mlx4"]) == 0
+    assert (out / "config.json").exists() and (out / "tokenizer.json").exists()
+    assert main(["generate", "--model", str(out), "--max-tokens", "8", "--temperature", "0",
+                 "hello there"]) == 0  # fmt: skip
+    err = capsys.readouterr().err
+    assert "tok/s" in err
+    assert main(["score", "--model", str(out), "--text", "the cat sat on the mat",
+                 "--out", str(tmp_path / "s.json")]) == 0  # fmt: skip
+    res = json.loads((tmp_path / "s.json").read_text())
+    assert len(res["logprobs"]) == res["num_tokens"] - 1
+    assert math.isclose(res["perplexity"], math.exp(-sum(res["logprobs"]) / len(res["logprobs"])),
+                        rel_tol=1e-9)  # fmt: skip
+
+
+def test_score_matches_transformers(hf_tiny_dir, tiny_hf_model, tmp_path):
+    ids = [5, 9, 100, 3, 77, 12, 400, 2, 8, 60, 61, 62]
+    (tmp_path / "ids.txt").write_text(" ".join(map(str, ids)))
+    logits_path = tmp_path / "l.npy"
+    assert main(["score", "--model", str(hf_tiny_dir), "--ids-file", str(tmp_path / "ids.txt"),
+                 "--save-logits", str(logits_path), "--out", str(tmp_path / "s.json"),
+                 "--prefill-chunk", "5"]) == 0  # fmt: skip
+    res = json.loads((tmp_path / "s.json").read_text())
+    with torch.no_grad():
+        ref = tiny_hf_model(torch.tensor([ids])).logits[0].double()
+    ref_lp = torch.log_softmax(ref[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert np.allclose(res["logprobs"], ref_lp.numpy(), atol=1e-4)
+    assert res["top1"] == ref[:-1].argmax(-1).tolist()
+    saved = np.load(logits_path)
+    assert saved.dtype == np.float32 and saved.shape == (len(ids), ref.shape[-1])
+
+
+def test_bad_input_is_a_clear_error_not_a_traceback(tmp_path):
+    (tmp_path / "bad.txt").write_text("1 2 x")
+    r = subprocess.run([sys.executable, "-m", "lily.cli", "score", "--model", str(tmp_path),
+                        "--ids-file", str(tmp_path / "bad.txt")],
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr and "config.json" in r.stderr

@@ -1,0 +1,147 @@
+"""Multi-turn reuse gives the same results as a cold prefill (reference path, fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lily.config import EngineConfig
+from lily.runtime.engine import Engine
+from lily.runtime.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engines(hf_tiny_dir):
+    warm = Engine.load(hf_tiny_dir, EngineConfig(prefill_chunk=16, max_context=4096),
+                       progress=False)  # fmt: skip
+    cold = Engine.load(hf_tiny_dir, EngineConfig(prefill_chunk=16, max_context=4096,
+                                                 prefix_cache_gb=0), progress=False)  # fmt: skip
+    return warm, cold
+
+
+def run(engine: Engine, ids: list[int]):
+    """Greedy tokens, text, the first step's logits, and the tokens reused."""
+    first = []
+
+    def capture(generated, logits):
+        if not generated:
+            first.append(logits.clone())
+        return logits
+
+    steps = list(engine.generate(ids, GREEDY, logits_processor=capture))
+    toks = [s.token_id for s in steps if s.token_id is not None]
+    return toks, "".join(s.text for s in steps), first[0], engine.last_usage.cached_tokens
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def assert_same(warm, cold, ids):
+    wt, wtext, wl, cached = run(warm, ids)
+    ct, _, cl, cold_cached = run(cold, ids)
+    assert cold_cached == 0
+    assert rel(wl, cl) <= 1e-5
+    assert wt == ct
+    return wtext, cached
+
+
+@pytest.mark.parametrize("think", [True, False], ids=["thinking", "no-thinking"])
+def test_multi_turn_reuse_equals_cold(engines, think):
+    warm, cold = engines
+    warm.reset()
+    tok = warm.tokenizer
+    msgs = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Name a colour."}]  # fmt: skip
+    prev_len = 0
+    for turn in range(4):
+        ids = warm.encode_chat(msgs, enable_thinking=think)
+        text, cached = assert_same(warm, cold, ids)
+        if turn == 0:
+            assert cached == 0
+        else:
+            # Resumed at least at the start of the last assistant header of the last prompt.
+            last_header = max(i for i in range(prev_len) if prev_ids[i] == tok.im_start_id)
+            assert cached >= last_header
+            assert cached < len(ids)
+        reasoning, sep, content = text.partition("</think>")
+        msg = {"role": "assistant", "content": content if sep else text}
+        if sep:
+            msg["reasoning_content"] = reasoning
+        msgs += [msg, {"role": "user", "content": f"And another one, number {turn}?"}]
+        prev_ids, prev_len = ids, len(ids)
+
+
+def test_divergence_inside_an_old_turn(engines):
+    warm, cold = engines
+    warm.reset()
+    base = [{"role": "user", "content": "first question about the weather today"},
+            {"role": "assistant", "content": "sunny"},
+            {"role": "user", "content": "second question"}]  # fmt: skip
+    assert_same(warm, cold, warm.encode_chat(base))
+    edited = [dict(m) for m in base]
+    edited[0]["content"] = "first question about the ocean"
+    ids = warm.encode_chat(edited)
+    _, cached = assert_same(warm, cold, ids)
+    old = warm.encode_chat(base)
+    diverge = next(i for i, (a, b) in enumerate(zip(ids, old)) if a != b)
+    assert cached <= diverge
+
+
+def test_two_conversations_alternating(engines):
+    warm, cold = engines
+    warm.reset()
+    a = [{"role": "user", "content": "conversation A starts here"}]
+    b = [{"role": "user", "content": "a completely different conversation B"}]
+    assert_same(warm, cold, warm.encode_chat(a))
+    assert_same(warm, cold, warm.encode_chat(b))
+    a2 = a + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more A"}]
+    _, cached = assert_same(warm, cold, warm.encode_chat(a2))
+    assert cached > 0  # restored from the stored copy of A
+    assert warm.prefix_cache.hits >= cached
+
+
+def test_tiny_budget_evicts_but_stays_correct(hf_tiny_dir, engines):
+    _, cold = engines
+    small = Engine.load(hf_tiny_dir, EngineConfig(prefill_chunk=16, max_context=4096,
+                                                  prefix_cache_gb=1e-9), progress=False)  # fmt: skip
+    a = [{"role": "user", "content": "conversation A"}]
+    b = [{"role": "user", "content": "conversation B"}]
+    assert_same(small, cold, small.encode_chat(a))
+    assert_same(small, cold, small.encode_chat(b))
+    assert small.prefix_cache.stored == []
+    assert_same(
+        small,
+        cold,
+        small.encode_chat(
+            a + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]
+        ),
+    )
+
+
+def test_cached_state_is_a_real_saving(engines):
+    """The resumed request prefills only the new tokens."""
+    warm, _ = engines
+    warm.reset()
+    calls = []
+    orig = warm.runner.prefill
+
+    def counting(ids, state):
+        calls.append(len(ids))
+        return orig(ids, state)
+
+    warm.runner.prefill = counting
+    try:
+        msgs = [{"role": "user", "content": "hello " * 30}]
+        ids = warm.encode_chat(msgs)
+        run(warm, ids)
+        calls.clear()
+        ids2 = warm.encode_chat(msgs + [{"role": "assistant", "content": "hi"},
+                                        {"role": "user", "content": "bye"}])  # fmt: skip
+        _, _, _, cached = run(warm, ids2)
+        assert sum(calls) == len(ids2) - cached
+        assert sum(calls) < len(ids2) - len(ids) + 20
+    finally:
+        warm.runner.prefill = orig
