@@ -391,9 +391,9 @@ def load_params(
 
         def read(key: str) -> torch.Tensor:
             e = entries[key]
-            if e.file not in handles:
-                handles[e.file] = stack.enter_context(safe_open(str(e.file), framework="pt"))
             try:
+                if e.file not in handles:
+                    handles[e.file] = stack.enter_context(safe_open(str(e.file), framework="pt"))
                 t = handles[e.file].get_tensor(key)
             except Exception as err:  # safetensors raises its own error types
                 raise CheckpointError(f"{e.file}: cannot read tensor {key!r} ({err})") from None
