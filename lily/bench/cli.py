@@ -1,0 +1,232 @@
+"""Command-line entry points ``lily bench`` and ``lily compare`` (wired into lily/cli.py).
+
+Both add the engine options of ``lily`` itself (``--model``, ``--device``, ``--dtype``,
+``--prefill-chunk``, ``--kernels``, ...) unless the parser already has them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    from lily.cli import _engine_args
+
+    if "--device" not in p._option_string_actions:
+        _engine_args(p)
+
+
+def _source_kw(args: argparse.Namespace) -> dict:
+    from lily.cli import engine_config
+
+    ecfg = engine_config(args)
+    return {
+        "device": ecfg.device,
+        "dtype": ecfg.dtype,
+        "prefill_chunk": ecfg.prefill_chunk,
+        "use_kernels": ecfg.use_kernels,
+    }
+
+
+# ---- lily bench
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    """Options of ``lily bench``."""
+    _add_engine_args(p)
+    p.add_argument("--random", choices=["full", "tiny"],
+                   help="random weights in the real (full) or test (tiny) shape, built on the "
+                        "device (default: full on a GPU, tiny on the CPU, unless --model)")  # fmt: skip
+    p.add_argument("--lengths", help="prompt lengths, e.g. 256,1K,32K (default: 256 .. 128K, "
+                   "those that fit the model's context)")  # fmt: skip
+    p.add_argument("--decode-tokens", type=int, default=128,
+                   help="tokens generated one at a time after each prompt")  # fmt: skip
+    p.add_argument("--peers", default="mlx-lm,transformers",
+                   help="comma-separated peers: mlx-lm, transformers, lily; 'none' for none")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=1, help="rounds over all lengths")
+    p.add_argument("--out", default="bench/results", help="folder for JSON, Markdown and PNG")
+    p.add_argument("--name", default=None, help="file stem of the outputs (default: derived)")
+    p.add_argument("--skew", type=float, nargs="?", const=2.0, default=0.0,
+                   help="also time prefill with a skewed router (a few hot experts); value: "
+                        "extra row scale of the hot experts (default 2)")  # fmt: skip
+    p.add_argument("--budget", type=float, default=420.0,
+                   help="seconds for the whole sweep, shared by the engines; longer lengths "
+                        "that would not fit are cut and marked (0: no limit)")  # fmt: skip
+    p.add_argument("--point-budget", type=float, default=120.0,
+                   help="seconds at most for one engine at one length (0: no limit)")  # fmt: skip
+    p.add_argument("--disk-load", action="store_true",
+                   help="also write the random model to disk and time Engine.load of it "
+                        "(always done when mlx-lm runs)")  # fmt: skip
+    p.add_argument("--disk-dir", help="where to write that checkpoint (kept; default: a "
+                   "temporary folder, removed)")  # fmt: skip
+    p.add_argument("--load-tokens", type=int, default=2048,
+                   help="prompt tokens of the expert-load histogram")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="weights and prompt ids")
+
+
+def bench_plan(args: argparse.Namespace):
+    """Validate the options into a ``driver.BenchPlan``."""
+    from lily.bench.driver import BENCH_LENGTHS, BenchPlan, parse_lengths
+    from lily.bench.peers import parse_peers
+    from lily.bench.source import dir_source, random_source
+
+    kw = _source_kw(args)
+    if args.model and args.random:
+        raise ValueError("give either --model or --random, not both")
+    if args.model:
+        source = dir_source(args.model, **kw)
+    else:
+        name = args.random or ("full" if kw["device"].startswith("cuda") else "tiny")
+        source = random_source(name, seed=args.seed, **kw)
+    if args.decode_tokens < 0 or args.rounds < 1:
+        raise ValueError("--decode-tokens must be >= 0 and --rounds >= 1")
+    if args.budget < 0 or args.point_budget < 0:
+        raise ValueError("--budget and --point-budget must be >= 0")
+    lengths = parse_lengths(args.lengths)
+    if lengths is None:
+        ctx = _context_of(source)
+        lengths = [n for n in BENCH_LENGTHS if n + args.decode_tokens < ctx] or [
+            n for n in (16, 32, 64, 128) if n + args.decode_tokens < ctx
+        ]
+        if not lengths:
+            raise ValueError(f"the model's context ({ctx}) is too short to benchmark")
+    peer_names = [] if args.peers.strip().lower() == "none" else parse_peers(args.peers)
+    return BenchPlan(
+        source=source,
+        lengths=lengths,
+        decode_tokens=args.decode_tokens,
+        peers=peer_names,
+        rounds=args.rounds,
+        out=Path(args.out),
+        skew=args.skew,
+        budget_s=args.budget,
+        point_budget_s=args.point_budget or math.inf,
+        disk_load=args.disk_load,
+        disk_dir=args.disk_dir,
+        load_tokens=args.load_tokens,
+        seed=args.seed,
+    )
+
+
+def _context_of(source: dict) -> int:
+    from lily.config import ModelConfig
+
+    if source["kind"] == "dir":
+        return ModelConfig.from_dir(source["path"]).max_position_embeddings
+    from lily.bench.random_model import model_config
+
+    return model_config(source["name"]).max_position_embeddings
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """``lily bench``: run the sweep and write JSON, Markdown and PNG."""
+    from lily.bench import driver, report
+
+    plan = bench_plan(args)
+    result = driver.run(plan)
+    stem = args.name or _stem(result)
+    paths = report.write_outputs(result, plan.out, stem)
+    sys.stdout.write(report.markdown(result))
+    if "png" not in paths:
+        print("(matplotlib is not installed: no PNG; render it elsewhere with "
+              f"`python -m lily.bench.report {paths['json']}`)", file=sys.stderr)  # fmt: skip
+    print("wrote " + ", ".join(paths.values()), file=sys.stderr)
+    return 0
+
+
+def _stem(result: dict) -> str:
+    src = result["config"]["source"]
+    what = f"random-{src['name']}" if src["kind"] == "random" else Path(src["path"]).name
+    date = result["env"]["date"][:19].replace(":", "").replace("-", "")
+    return f"bench-{what}-{src['device'].split(':')[0]}-{date}"
+
+
+# ---- lily compare
+
+
+def add_compare_args(p: argparse.ArgumentParser) -> None:
+    """Options of ``lily compare``."""
+    _add_engine_args(p)
+    p.add_argument("--reference", required=True, choices=["mlx-lm", "transformers", "lily"],
+                   help="the engine to compare against on the same checkpoint; 'lily' is our "
+                        "own plain-PyTorch path (checks --kernels on)")  # fmt: skip
+    p.add_argument("--positions", type=int, default=192, help="teacher-forced positions")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--text", help="text to score (default: deterministic pseudo-text ids)")
+    src.add_argument("--text-file", help="file whose text to score")
+    p.add_argument("--seed", type=int, default=0, help="seed of the pseudo-text ids")
+    p.add_argument("--out", help="write the JSON here (default: JSON on stdout, table on "
+                   "stderr)")  # fmt: skip
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    """``lily compare``: top-1 agreement, perplexity ratio and logit error vs a reference."""
+    from lily.bench import compare, measure, peers
+    from lily.bench.source import dir_source
+    from lily.bench.sweep import LilyAdapter
+    from lily.runtime.engine import tiny_model_dir
+
+    if args.positions < 1:
+        raise ValueError(f"--positions must be at least 1, got {args.positions}")
+    kw = _source_kw(args)
+    model = args.model
+    if not model:
+        model = str(tiny_model_dir())
+        print(f"lily compare: no --model given: using the built-in tiny model {model}",
+              file=sys.stderr)  # fmt: skip
+    source = dir_source(model, **kw)
+    from lily.bench.source import lily_engine
+
+    engine = lily_engine(source)
+    ids = _compare_ids(args, engine)
+    positions = min(args.positions, len(ids) - 1)
+    if positions + 1 > engine.max_context:
+        raise ValueError(f"{positions} positions exceed the context of {engine.max_context}")
+    ref_source = {**source, "use_kernels": False} if args.reference == "lily" else source
+    try:
+        peers.check_available(args.reference)
+        ref = peers.load_adapter(args.reference, ref_source)
+    except Exception as e:  # a missing or broken reference: one line, not a traceback
+        print(f"lily compare: error: reference {args.reference}: {peers._one_line(e)}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    res = compare.run_compare(LilyAdapter(engine), ref, ids[: positions + 1], positions)
+    out = {
+        "schema": compare.SCHEMA,
+        "model": model,
+        "reference": args.reference,
+        "ids": "text" if (args.text or args.text_file) else f"pseudo-text seed {args.seed}",
+        "requested_positions": args.positions,
+        **res,
+        "ours": LilyAdapter(engine).info(),
+        "reference_info": ref.info(),
+        "original_engine": compare.ORIGINAL,
+        "env": measure.env_info(kw["device"]),
+    }
+    text = json.dumps(out, indent=1)
+    if args.out:
+        Path(args.out).write_text(text)
+        print(compare.table(out))
+    else:
+        print(compare.table(out), file=sys.stderr)
+        print(text)
+    return 0
+
+
+def _compare_ids(args: argparse.Namespace, engine) -> list[int]:
+    from lily.bench.measure import pseudo_text_ids
+
+    if args.text is None and args.text_file is None:
+        return pseudo_text_ids(args.positions + 1, engine.cfg.vocab_size, seed=args.seed)
+    text = args.text if args.text is not None else Path(args.text_file).read_text()
+    ids = engine.tokenizer.encode(text)
+    if len(ids) < 2:
+        raise ValueError(f"the text gives {len(ids)} token(s); at least 2 are needed")
+    if len(ids) < args.positions + 1:
+        print(f"lily compare: the text gives {len(ids)} tokens: comparing {len(ids) - 1} "
+              "positions", file=sys.stderr)  # fmt: skip
+    return ids

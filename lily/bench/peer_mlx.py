@@ -1,0 +1,99 @@
+"""The MLX-LM peer (its CUDA build on the GPU, its CPU build here) on an MLX checkpoint.
+
+It runs on the checkpoint directory itself (``mlx_lm.load``), so it reads the very 4-bit
+bytes our engine reads; a random model is first written to disk by the parent
+(``source["mlx_dir"]``). Prefill goes in chunks of ``prefill_chunk`` as mlx_lm's own
+generate does, evaluating only the cache state between chunks.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import numpy as np
+import torch
+
+from lily.bench.sweep import BenchAdapter
+
+
+def _fp32(model) -> None:
+    """Every float parameter to fp32 (exact for bf16 values); packed codes stay uint32."""
+    import mlx.core as mx
+    from mlx.utils import tree_map
+
+    model.update(tree_map(lambda a: a.astype(mx.float32) if a.dtype == mx.bfloat16 else a,
+                          model.parameters()))  # fmt: skip
+
+
+class MlxAdapter(BenchAdapter):
+    name = "mlx-lm"
+
+    def __init__(self, source: dict):
+        import mlx.core as mx
+        from mlx_lm import load
+
+        path = source.get("mlx_dir") or source.get("path")
+        if source["kind"] != "dir" and not source.get("mlx_dir"):
+            raise ValueError("mlx-lm needs the model on disk (no mlx_dir was written)")
+        self.mx = mx
+        self.path = path
+        self.model, _ = load(str(path))
+        self.fp32 = source.get("dtype", "float32") == "float32"
+        if self.fp32:
+            _fp32(self.model)
+        self.chunk = int(source.get("prefill_chunk", 2048))
+        self.cache = None
+
+    def _new_cache(self):
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.cache = make_prompt_cache(self.model)
+
+    def _step(self, ids: list[int]):
+        return self.model(self.mx.array(ids)[None], cache=self.cache)
+
+    def prefill(self, ids: list[int]) -> int:
+        mx = self.mx
+        self._new_cache()
+        for i in range(0, len(ids) - self.chunk, self.chunk):
+            self._step(ids[i : i + self.chunk])
+            mx.eval([c.state for c in self.cache])  # logits of these chunks are never built
+        last = (len(ids) - 1) // self.chunk * self.chunk
+        return int(mx.argmax(self._step(ids[last:])[0, -1]).item())
+
+    def decode(self, token: int) -> int:
+        return int(self.mx.argmax(self._step([token])[0, -1]).item())
+
+    def score(self, ids: list[int]) -> torch.Tensor:
+        mx = self.mx
+        self._new_cache()
+        out = []
+        for i in range(0, len(ids), self.chunk):
+            logits = self._step(ids[i : i + self.chunk])[0].astype(mx.float32)
+            out.append(torch.from_numpy(np.array(logits)))
+        self.cache = None
+        return torch.cat(out)
+
+    def release(self) -> None:
+        self.cache = None
+        self.mx.clear_cache()
+
+    def reset_peak(self) -> None:
+        self.mx.reset_peak_memory()
+
+    def peak_memory(self) -> int | None:
+        return int(self.mx.get_peak_memory())
+
+    def info(self) -> dict:
+        versions = {}
+        for pkg in ("mlx", "mlx-lm", "mlx-cuda", "mlx-cuda-13"):
+            try:
+                versions[pkg] = importlib.metadata.version(pkg)
+            except importlib.metadata.PackageNotFoundError:
+                pass
+        return {
+            "device": str(self.mx.default_device()),
+            "dtype": "float32" if self.fp32 else "native (bf16)",
+            "weights": f"mlx_lm.load({self.path})",
+            **versions,
+        }

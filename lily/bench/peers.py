@@ -1,0 +1,169 @@
+"""Peer engines (MLX-LM, transformers) in worker processes of the same process tree.
+
+Each peer lives in its own spawned process: its allocator, peak memory and any crash stay
+its own, and a peer that runs past its time budget can be stopped. The parent sends
+calls over a pipe; the worker times each point itself (``sweep.run_point``), so the pipe
+never falls inside a timed interval. A peer that is not installed or fails is skipped
+with one clear line, never a crash.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import multiprocessing as mp
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+
+from lily.bench.sweep import BenchAdapter, dispatch
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    """A peer: the Python modules it needs and the adapter class (``module:Class``)."""
+
+    name: str
+    requires: tuple[str, ...]
+    adapter: str
+
+
+PEERS: dict[str, PeerSpec] = {
+    "transformers": PeerSpec(
+        "transformers", ("transformers",), "lily.bench.peer_hf:TransformersAdapter"
+    ),
+    "mlx-lm": PeerSpec("mlx-lm", ("mlx", "mlx_lm"), "lily.bench.peer_mlx:MlxAdapter"),
+    "lily": PeerSpec("lily", ("torch",), "lily.bench.peer_lily:LilyPeerAdapter"),
+}
+
+
+class PeerUnavailable(RuntimeError):
+    """A peer that cannot run here; the message is the one line the user sees."""
+
+
+def parse_peers(text: str | None) -> list[str]:
+    """``"mlx-lm,transformers"`` -> names; unknown names are an error naming them."""
+    names = [n.strip() for n in (text or "").split(",") if n.strip()]
+    bad = [n for n in names if n not in PEERS]
+    if bad:
+        raise ValueError(f"unknown peer {bad[0]!r} (known: {', '.join(sorted(PEERS))})")
+    return list(dict.fromkeys(names))
+
+
+def check_available(name: str) -> None:
+    """Raise PeerUnavailable when a module the peer needs is not installed."""
+    for mod in PEERS[name].requires:
+        try:
+            found = importlib.util.find_spec(mod) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise PeerUnavailable(f"peer {name}: skipped (Python package {mod!r} not installed)")
+
+
+def load_adapter(name: str, source: dict) -> BenchAdapter:
+    mod, cls = PEERS[name].adapter.split(":")
+    return getattr(importlib.import_module(mod), cls)(source)
+
+
+def _worker_main(conn, name: str, source: dict) -> None:
+    """Worker process: build the adapter, then answer calls until told to stop."""
+    device = source.get("device", "cpu")
+    try:
+        t0 = time.perf_counter()
+        adapter = load_adapter(name, source)
+        info = adapter.info() | {"setup_s": time.perf_counter() - t0, "pid": os.getpid()}
+        conn.send(("ok", info))
+    except BaseException as e:  # reported to the parent as one line
+        conn.send(("error", _one_line(e)))
+        return
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg[0] == "stop":
+            return
+        try:
+            conn.send(("ok", dispatch(adapter, device, msg[0], msg[1])))
+        except BaseException as e:
+            traceback.print_exc(file=sys.stderr)
+            conn.send(("error", _one_line(e)))
+
+
+def _one_line(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:300]
+
+
+class PeerProcess:
+    """Parent-side handle of a peer worker; ``call`` mirrors ``sweep.LocalEngine``."""
+
+    def __init__(self, name: str, source: dict, setup_timeout: float = 1800):
+        check_available(name)
+        self.name = name
+        ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=_worker_main, args=(child, name, source), name=f"lily-bench-{name}",
+            daemon=True,
+        )  # fmt: skip
+        self.proc.start()
+        child.close()
+        try:
+            self.info = self._recv(setup_timeout, "setup")
+        except Exception:
+            self.close()
+            raise
+
+    def _recv(self, timeout: float | None, what: str):
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"peer {self.name}: {what} took over {timeout:.0f} s, stopped")
+        try:
+            status, value = self.conn.recv()
+        except (EOFError, OSError):
+            self.proc.join(5)
+            raise RuntimeError(
+                f"peer {self.name}: worker died during {what} (exit code {self.proc.exitcode})"
+            ) from None
+        if status != "ok":
+            raise RuntimeError(f"peer {self.name}: {what} failed: {value}")
+        return value
+
+    def call(self, method: str, *args, timeout: float | None = None):
+        if not self.proc.is_alive():
+            raise RuntimeError(f"peer {self.name}: worker is no longer running")
+        self.conn.send((method, args))
+        try:
+            return self._recv(timeout, method)
+        except TimeoutError:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("stop", ()))
+            except (OSError, BrokenPipeError):
+                pass
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+
+def start_peer(name: str, source: dict, log=print) -> PeerProcess | None:
+    """Start a peer worker, or print one line saying why it is skipped and return None."""
+    try:
+        return PeerProcess(name, source)
+    except PeerUnavailable as e:
+        log(str(e))
+    except Exception as e:
+        msg = str(e) if str(e).startswith(f"peer {name}") else f"peer {name}: {_one_line(e)}"
+        log(f"{msg} (skipped)")
+    return None

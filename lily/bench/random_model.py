@@ -1,0 +1,291 @@
+"""Random weights in the exact MLX 4-bit layout, built directly on the device.
+
+Speed does not depend on weight values, so benchmarks run a random model of the real shape
+(docs: shared/BENCH.md). ``random_params`` fills the canonical parameters
+(docs/CONTRACTS.md) on the device in seconds: random codes, bf16 scales and biases so every
+weight is about normal(0, 0.02), routers at 8 bits, group 64. Each tensor has its own
+generator seeded from (seed, name), so a worker process that builds the same model gets
+the same bytes. ``save_mlx_checkpoint`` writes those bytes to disk for MLX-LM and for
+timing a load; tensor names come from ``lily.weights.expected_tensors``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import sys
+import tempfile
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lily.config import EngineConfig, ModelConfig
+from lily.quant import QuantWeight, Weight
+from lily.weights import canonical_shapes, expected_tensors
+
+GROUP = 64
+ROUTERS = ("moe.router", "moe.shared_expert_gate")  # 8-bit in MLX checkpoints
+LAYOUT_BITS = {"mlx4": 4, "mlx8": 8}
+_STD = 0.02  # weight standard deviation: keeps 40 layers of activations finite
+
+
+def text_config(name: str) -> dict[str, Any]:
+    """The text config of the ``tiny`` test model or of the ``full`` Qwen3.6-35B-A3B."""
+    from lily.checkpoint import FULL_TEXT_CONFIG, TINY_TEXT_CONFIG
+
+    configs = {"tiny": TINY_TEXT_CONFIG, "full": FULL_TEXT_CONFIG}
+    if name not in configs:
+        raise ValueError(f"unknown random model {name!r} (expected 'tiny' or 'full')")
+    return dict(configs[name])
+
+
+def model_config(name: str, layout: str = "mlx4") -> ModelConfig:
+    """ModelConfig of a named random model as the loader would read it from disk."""
+    from lily.checkpoint import make_config
+
+    return ModelConfig.from_dict(make_config(text_config(name), layout, torch.bfloat16))
+
+
+def packing(cfg: ModelConfig, layout: str = "mlx4") -> dict[str, int | None]:
+    """Bits of each canonical parameter in an MLX checkpoint (None: stored dense).
+
+    mlx_lm.convert packs every linear and embedding whose input dim is a multiple of the
+    group size; routers at 8 bits. Norms, conv, A_log and dt_bias stay dense.
+    """
+    if layout not in LAYOUT_BITS:
+        raise ValueError(f"layout must be one of {sorted(LAYOUT_BITS)}, got {layout!r}")
+    out: dict[str, int | None] = {}
+    for name, shape in canonical_shapes(cfg).items():
+        leaf = name.rsplit(".", 1)[-1]
+        dense = len(shape) < 2 or leaf == "conv1d" or shape[-1] % GROUP
+        out[name] = None if dense else 8 if name.endswith(ROUTERS) else LAYOUT_BITS[layout]
+    return out
+
+
+def _generator(device: torch.device, seed: int, name: str) -> torch.Generator | None:
+    if device.type == "meta":
+        return None
+    g = torch.Generator(device=device)
+    # NOTE: seeded per tensor, so the bytes do not depend on build order or process.
+    g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 62))
+    return g
+
+
+def _random_quant(
+    shape: tuple[int, ...], bits: int, device: torch.device, g: torch.Generator | None
+) -> QuantWeight:
+    *lead, n, k = shape
+    words = torch.empty((*lead, n, k * bits // 32), dtype=torch.int32, device=device)
+    gshape = (*lead, n, k // GROUP)
+    if device.type == "meta":  # shapes only
+        meta = torch.empty(gshape, dtype=torch.bfloat16, device=device)
+        return QuantWeight(words, meta, meta.clone(), bits, GROUP)
+    words.random_(-(2**31), 2**31, generator=g)
+    levels = 1 << bits
+    # uniform codes on 0..levels-1 have standard deviation sqrt((levels^2 - 1) / 12)
+    step = _STD / math.sqrt((levels * levels - 1) / 12)
+    scales = torch.empty(gshape, device=device).uniform_(0.8 * step, 1.2 * step, generator=g)
+    noise = torch.empty(gshape, device=device).normal_(0.0, 0.1 * step, generator=g)
+    biases = -scales * (levels - 1) / 2 + noise
+    return QuantWeight(words, scales.to(torch.bfloat16), biases.to(torch.bfloat16), bits, GROUP)
+
+
+def _random_dense(
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, device, g
+) -> torch.Tensor:
+    leaf = name.rsplit(".", 1)[-1]
+    t = torch.empty(shape, dtype=torch.float32, device=device)
+    if t.device.type == "meta":  # shapes only
+        return t if leaf == "A_log" else t.to(dtype)
+    if leaf == "A_log":
+        return t.uniform_(1.0, 16.0, generator=g).log_()  # kept fp32, as the loader does
+    if leaf == "dt_bias":
+        t.normal_(1.0, 0.1, generator=g)
+    elif leaf == "conv1d":
+        t.uniform_(-0.5, 0.5, generator=g)
+    elif len(shape) == 1:  # RMSNorm multipliers
+        t.normal_(1.0, 0.05, generator=g)
+    else:
+        t.normal_(0.0, _STD, generator=g)
+    return t.to(dtype)
+
+
+def hot_experts(num_experts: int, seed: int) -> list[int]:
+    """The experts a skewed router favours: 1 in 32 (8 of 256), chosen by ``seed``."""
+    g = torch.Generator().manual_seed(seed + 7)
+    return sorted(torch.randperm(num_experts, generator=g)[: max(1, num_experts // 32)].tolist())
+
+
+def skew_router(w: Weight, skew: float, hot: list[int]) -> Weight:
+    """A copy of router ``w`` (E, D) whose ``hot`` rows are scaled by ``1 + skew``.
+
+    A larger row norm widens that expert's logit distribution, so it lands in the top-k
+    far more often (with skew 2, about 5x its even share): uneven groups as real routing.
+    """
+    f = 1.0 + skew
+    if isinstance(w, QuantWeight):
+        scales, biases = w.scales.clone(), w.biases.clone()
+        scales[hot] *= f
+        biases[hot] *= f
+        return QuantWeight(w.qweight, scales, biases, w.bits, w.group_size)
+    out = w.clone()
+    out[hot] *= f
+    return out
+
+
+def random_params(
+    cfg: ModelConfig,
+    device: str | torch.device,
+    layout: str = "mlx4",
+    seed: int = 0,
+    router_skew: float = 0.0,
+    dtype: torch.dtype = torch.bfloat16,
+) -> dict[str, Weight]:
+    """Canonical parameters of a random model in MLX layout, generated on ``device``.
+
+    ``dtype`` is that of dense tensors (norms, conv, dt_bias; A_log stays fp32), as
+    ``load_params`` gives them; scales and biases are bf16 as MLX stores them.
+    ``router_skew`` > 0 makes ``hot_experts`` favoured (see ``skew_router``). On the
+    ``meta`` device nothing is allocated: shapes and dtypes only.
+    """
+    device = torch.device(device)
+    if router_skew < 0:
+        raise ValueError(f"router_skew must be >= 0, got {router_skew}")
+    hot = hot_experts(cfg.num_experts, seed)
+    bits = packing(cfg, layout)
+    params: dict[str, Weight] = {}
+    for name, shape in canonical_shapes(cfg).items():
+        g = _generator(device, seed, name)
+        if bits[name] is None:
+            params[name] = _random_dense(name, shape, dtype, device, g)
+        else:
+            params[name] = _random_quant(shape, bits[name], device, g)
+        if router_skew and name.endswith("moe.router"):
+            params[name] = skew_router(params[name], router_skew, hot)
+    if cfg.tie_word_embeddings:
+        params["lm_head"] = params["embed_tokens"]
+    return params
+
+
+def params_nbytes(params: dict[str, Weight]) -> int:
+    seen, n = set(), 0
+    for w in params.values():
+        if id(w) not in seen:
+            seen.add(id(w))
+            n += w.nbytes() if isinstance(w, QuantWeight) else w.numel() * w.element_size()
+    return n
+
+
+def fingerprint(params: dict[str, Weight], sample: int = 4096) -> str:
+    """A short hash of a strided sample of every tensor: equal bytes, equal fingerprint."""
+    h = hashlib.sha256()
+    for name in sorted(params):
+        w = params[name]
+        parts = (w.qweight, w.scales, w.biases) if isinstance(w, QuantWeight) else (w,)
+        for t in parts:
+            flat = t.reshape(-1)
+            stride = max(1, flat.numel() // sample)
+            s = flat[::stride][:sample].contiguous().cpu()
+            h.update(name.encode())
+            h.update(s.view(torch.uint8).numpy().tobytes() if s.numel() else b"")
+    return h.hexdigest()[:16]
+
+
+def _stored(name: str, w: Weight) -> list[torch.Tensor]:
+    """A canonical parameter as the tensors an MLX checkpoint stores for it."""
+    if isinstance(w, QuantWeight):
+        return [w.qweight.view(torch.uint32), w.scales, w.biases]
+    if name.endswith("conv1d"):
+        return [w.unsqueeze(-1)]  # MLX keeps conv weights as (C, K, 1)
+    return [w]
+
+
+def save_mlx_checkpoint(
+    params: dict[str, Weight],
+    cfg: ModelConfig,
+    text_cfg: dict[str, Any],
+    out_dir: str | Path,
+    layout: str = "mlx4",
+    shard_bytes: int = 5 << 30,
+    progress: bool = True,
+) -> Path:
+    """Write ``params`` as an MLX checkpoint directory (config, safetensors, tokenizer).
+
+    The bytes are exactly those in ``params``, so an engine loading the directory runs on
+    the same weights as one holding ``params``.
+    """
+    from safetensors.torch import save_file
+
+    from lily.checkpoint import make_config
+    from lily.tokenizer import write_test_tokenizer
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_test_tokenizer(out, cfg.vocab_size)
+    config = make_config(text_cfg, layout, torch.bfloat16)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    names = list(canonical_shapes(cfg))
+    groups = expected_tensors(ModelConfig.from_dict(config), "mlx")
+    if len(groups) != len(names):
+        raise AssertionError("expected_tensors no longer has one group per parameter")
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = total = 0
+    bar = None
+    if progress and params_nbytes(params) > (1 << 30):
+        from tqdm import tqdm
+
+        bar = tqdm(total=params_nbytes(params), unit="B", unit_scale=True, desc="writing",
+                   file=sys.stderr)  # fmt: skip
+    files = []
+
+    def flush() -> None:
+        nonlocal size
+        name = f"model-{len(files) + 1:05d}.safetensors"
+        save_file(shards[-1], str(out / name), metadata={"format": "mlx"})
+        files.append((name, list(shards[-1])))
+        shards.append({})
+        size = 0
+
+    for name, group in zip(names, groups, strict=True):
+        for (key, shape, _), t in zip(group, _stored(name, params[name]), strict=True):
+            if tuple(t.shape) != tuple(shape):
+                raise AssertionError(f"{name}: shape {tuple(t.shape)} != {shape} for {key}")
+            n = t.numel() * t.element_size()
+            if shards[-1] and size + n > shard_bytes:
+                flush()
+            shards[-1][key] = t.detach().contiguous().cpu()
+            size += n
+            total += n
+            if bar is not None:
+                bar.update(n)
+    flush()
+    if bar is not None:
+        bar.close()
+    if len(files) == 1:
+        (out / files[0][0]).rename(out / "model.safetensors")
+    else:
+        wmap = {k: f for f, keys in files for k in keys}
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(wmap.items()))}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return out
+
+
+_TOKENIZER_DIRS: dict[int, Path] = {}
+
+
+def engine_from_params(
+    cfg: ModelConfig, params: dict[str, Weight], engine_cfg: EngineConfig, name: str = "random"
+):
+    """An ``Engine`` over in-memory parameters (with a small test tokenizer)."""
+    from lily.runtime.engine import Engine
+    from lily.tokenizer import Tokenizer, write_test_tokenizer
+
+    d = _TOKENIZER_DIRS.get(cfg.vocab_size)
+    if d is None:
+        d = Path(tempfile.mkdtemp(prefix="lily-bench-tok-"))
+        write_test_tokenizer(d, cfg.vocab_size)
+        _TOKENIZER_DIRS[cfg.vocab_size] = d
+    return Engine(cfg, params, Tokenizer.from_dir(d), engine_cfg, model_name=name)

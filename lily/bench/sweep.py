@@ -1,0 +1,228 @@
+"""The timing loop: one point (a prefill of L tokens, then greedy decode), budgets, rounds.
+
+Every engine, ours or a peer, is driven through the same small interface
+(``BenchAdapter``) and timed by ``run_point`` in its own process, so inter-process calls
+never fall inside a timed interval. Time is read with ``perf_counter`` after a device
+synchronize: the first output token id reaching the host ends the prefill interval, as
+in real generation.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from lily.bench.measure import sync
+
+GROWTH = 1.3  # prefill time per token grows with length (attention): margin when predicting
+
+
+class BenchAdapter:
+    """What the sweep needs from an engine; one prompt (session) at a time."""
+
+    name = "engine"
+
+    def prefill(self, ids: list[int]) -> int:
+        """Start a new session with ``ids``; return the greedy first output token."""
+        raise NotImplementedError
+
+    def decode(self, token: int) -> int:
+        """Feed ``token`` to the session; return the next greedy token."""
+        raise NotImplementedError
+
+    def score(self, ids: list[int]) -> torch.Tensor:
+        """Teacher-forced fp32 logits (T, V) on the CPU."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Drop the session and cached device memory."""
+
+    def reset_peak(self) -> None:
+        pass
+
+    def peak_memory(self) -> int | None:
+        return None
+
+    def info(self) -> dict:
+        return {}
+
+
+class LilyAdapter(BenchAdapter):
+    """Our engine through ``engine.runner``: whichever path the engine uses is measured."""
+
+    def __init__(self, engine, name: str = "lily"):
+        self.engine = engine
+        self.name = name
+        self.device = str(engine.model.device)
+        self.cuda = torch.device(self.device).type == "cuda"
+        self.state = None
+
+    def prefill(self, ids: list[int]) -> int:
+        self.state = self.engine.new_state()
+        return int(self.engine.runner.prefill(list(ids), self.state).argmax())
+
+    def decode(self, token: int) -> int:
+        return int(self.engine.runner.decode(token, self.state).argmax())
+
+    def score(self, ids: list[int]) -> torch.Tensor:
+        return self.engine.score(list(ids)).float()
+
+    def release(self) -> None:
+        self.state = None
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_memory(self) -> int | None:
+        return torch.cuda.max_memory_allocated(self.device) if self.cuda else None
+
+    def info(self) -> dict:
+        ecfg = self.engine.engine_cfg
+        return {
+            "device": self.device,
+            "dtype": ecfg.dtype,
+            "runner": type(self.engine.runner).__name__,
+            "use_kernels": ecfg.use_kernels,
+            "prefill_chunk": ecfg.prefill_chunk,
+        }
+
+
+def run_point(
+    eng: BenchAdapter, ids: list[int], n_decode: int, allowance_s: float, device: str = "cpu"
+) -> dict:
+    """Time a prefill of ``ids`` then up to ``n_decode`` greedy decode steps.
+
+    Decode stops early once ``allowance_s`` (counted from the prefill start) is spent, with
+    at least one step when any were asked for; the result says how many were timed.
+    """
+    eng.reset_peak()
+    sync(device)
+    t0 = time.perf_counter()
+    tok = eng.prefill(ids)
+    t1 = time.perf_counter()
+    out = {"length": len(ids), "prefill_s": t1 - t0, "prefill_tok_s": len(ids) / (t1 - t0)}
+    n = 0
+    deadline = t0 + allowance_s
+    while n < n_decode and (n == 0 or time.perf_counter() < deadline):
+        tok = eng.decode(tok)
+        n += 1
+    t2 = time.perf_counter()
+    if n:
+        out |= {"decode_tokens": n, "decode_s": t2 - t1, "decode_tok_s": n / (t2 - t1)}
+        if n < n_decode:
+            out["decode_cut"] = f"{n} of {n_decode} tokens within the time budget"
+    out["peak_mem_bytes"] = eng.peak_memory()
+    eng.release()
+    return out
+
+
+def warmup(eng: BenchAdapter, ids: list[int], n_decode: int = 4, device: str = "cpu") -> dict:
+    """Run the paths once (compilation, autotuning, allocator); the rate seeds predictions."""
+    return run_point(eng, ids, n_decode, float("inf"), device)
+
+
+class LocalEngine:
+    """An adapter in this process, with the call interface of a peer process."""
+
+    def __init__(self, adapter: BenchAdapter, device: str):
+        self.adapter = adapter
+        self.name = adapter.name
+        self.device = device
+
+    def call(self, method: str, *args, timeout: float | None = None):
+        return dispatch(self.adapter, self.device, method, args)
+
+    def close(self) -> None:
+        self.adapter.release()
+
+
+def dispatch(adapter: BenchAdapter, device: str, method: str, args: tuple):
+    if method == "run_point":
+        return run_point(adapter, *args, device=device)
+    if method == "warmup":
+        return warmup(adapter, *args, device=device)
+    if method == "score":
+        return adapter.score(*args)
+    if method == "info":
+        return adapter.info()
+    raise ValueError(f"unknown method {method!r}")
+
+
+@dataclass
+class Slot:
+    """One engine in the sweep: its handle, what it measures, its time account."""
+
+    name: str
+    handle: object  # LocalEngine or peers.PeerProcess
+    decode: bool = True
+    peer: bool = False  # ratios are reported against peers
+    share_s: float = math.inf  # of the sweep budget, per round
+    used_s: float = 0.0
+    rate: float | None = None  # last prefill tok/s, for predictions
+    last_len: int = 0
+    cut_from: int | None = None  # first length skipped this round
+    failed: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def sweep(
+    slots: list[Slot],
+    lengths: list[int],
+    prompts: Callable[[int], list[int]],
+    n_decode: int,
+    rounds: int,
+    point_budget_s: float,
+    on_point: Callable[[dict], None] = lambda r: None,
+) -> list[dict]:
+    """All rounds over all lengths; engine order rotates at every point so heat and
+    background load hit every engine alike. A point whose predicted prefill does not fit
+    the engine's remaining share (or ``point_budget_s``) is cut, as are longer ones."""
+    results = []
+    for r in range(rounds):
+        for s in slots:
+            s.used_s, s.cut_from = 0.0, None
+        for i, length in enumerate(lengths):
+            k = (r + i) % len(slots)
+            for s in slots[k:] + slots[:k]:
+                res = _one(s, length, prompts, n_decode, point_budget_s)
+                res |= {"engine": s.name, "round": r, "length": length}
+                results.append(res)
+                on_point(res)
+    return results
+
+
+def _one(s: Slot, length: int, prompts, n_decode: int, point_budget_s: float) -> dict:
+    if s.failed:
+        return {"status": "failed", "note": s.failed}
+    allowance = min(point_budget_s, s.share_s - s.used_s)
+    if s.cut_from is not None:
+        return {"status": "cut", "note": f"time budget (cut from {s.cut_from} tokens)"}
+    if s.rate:
+        growth = GROWTH if length > s.last_len else 1.0
+        predicted = length / s.rate * growth
+        if predicted > allowance:
+            s.cut_from = length
+            return {
+                "status": "cut",
+                "note": f"time budget: predicted prefill {predicted:.0f} s > {allowance:.0f} s left",
+            }
+    t0 = time.perf_counter()
+    try:
+        res = s.handle.call(
+            "run_point", prompts(length), n_decode if s.decode else 0, allowance,
+            timeout=2 * allowance + 120 if math.isfinite(allowance) else None,
+        )  # fmt: skip
+    except Exception as e:  # a peer that fails is skipped from here on, never a crash
+        s.failed = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        s.used_s += time.perf_counter() - t0
+        return {"status": "failed", "note": s.failed}
+    s.used_s += time.perf_counter() - t0
+    s.rate, s.last_len = res["prefill_tok_s"], length
+    return {"status": "ok", **res}
