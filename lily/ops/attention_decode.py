@@ -1,0 +1,324 @@
+"""Gated full attention, decode: one query token against the KV cache.
+
+The prep (q/k RMSNorm, partial RoPE at ``pos``, the K/V cache write) is fused into the
+attention kernels themselves: every program prepares its own 8 query heads (a few KiB read,
+against the KV rows it streams), and the one program whose cache range holds ``pos`` writes
+the new K/V row before reading it back. That saves a launch and a round trip per layer.
+
+GQA packing: one program serves all G query heads of a KV head (padded to 16 rows for the
+tensor cores), so each KV row is read once. Two variants:
+- plain: grid (Hkv,), each program walks the whole cache;
+- split: grid (Hkv, blocks): fixed blocks of ``split`` rows in parallel, each leaving a
+  normalised partial output and its log-sum-exp; ``_combine_kernel`` merges them and
+  applies the output gate.
+The position is read from a device tensor, so a step can be captured in a CUDA graph; only
+``max_len`` (a host bound on pos+1 that sizes the split grid) must stay fixed per graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lily.ops.norm_rope import rms_rope_rows, sigmoid
+
+Tensor = torch.Tensor
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attn_decode_kernel(
+    qg,
+    k,
+    v,
+    q_norm,
+    k_norm,
+    inv_freq,
+    k_cache,
+    v_cache,
+    p_pos,
+    out,
+    o_part,
+    lse_part,
+    eps,
+    sm_scale,
+    T_MAX,
+    NB,
+    H: tl.constexpr,
+    HKV: tl.constexpr,
+    DH: tl.constexpr,
+    R: tl.constexpr,
+    GP: tl.constexpr,
+    BD: tl.constexpr,
+    BN: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    i_kvh, i_s = tl.program_id(0), tl.program_id(1)
+    G: tl.constexpr = H // HKV
+    pos = tl.load(p_pos).to(tl.int32)
+    L = pos + 1
+    if SPLIT > 0:
+        n_lo = i_s * SPLIT
+        n_hi = tl.minimum(n_lo + SPLIT, L)
+    else:
+        n_lo = 0
+        n_hi = L
+    if n_lo < L:
+        o_r = tl.arange(0, GP)
+        m_r = o_r < G
+        o_d = tl.arange(0, BD)
+        m_d = o_d < DH
+        b_q = rms_rope_rows(
+            qg,
+            (i_kvh * G + o_r) * (2 * DH),
+            m_r,
+            q_norm,
+            inv_freq,
+            tl.zeros([GP], dtype=tl.int32) + pos,
+            eps,
+            DH,
+            R,
+            BD,
+        )
+        b_q = (b_q * sm_scale).to(k_cache.dtype.element_ty)  # sm_scale includes log2(e)
+        p_kc = k_cache + i_kvh * T_MAX * DH
+        p_vc = v_cache + i_kvh * T_MAX * DH
+        if n_hi == L:  # this program's range holds pos: write the new row first
+            o_1 = tl.arange(0, 1)
+            b_k = rms_rope_rows(
+                k,
+                i_kvh * DH + o_1,
+                o_1 < 1,
+                k_norm,
+                inv_freq,
+                tl.zeros([1], dtype=tl.int32) + pos,
+                eps,
+                DH,
+                R,
+                BD,
+            )
+            b_v = tl.load(v + i_kvh * DH + o_d[None, :], mask=m_d[None, :], other=0.0)
+            p_row = pos * DH + o_d[None, :]
+            tl.store(p_kc + p_row, b_k.to(k_cache.dtype.element_ty), mask=m_d[None, :])
+            tl.store(p_vc + p_row, b_v.to(v_cache.dtype.element_ty), mask=m_d[None, :])
+            tl.debug_barrier()  # the row is read back below, possibly by other threads
+        b_m = tl.full([GP], float("-inf"), dtype=tl.float32)
+        b_l = tl.zeros([GP], dtype=tl.float32)
+        b_acc = tl.zeros([GP, BD], dtype=tl.float32)
+        for n0 in range(n_lo, n_hi, BN):
+            o_n = n0 + tl.arange(0, BN)
+            m_n = o_n < n_hi
+            m_nd = m_n[:, None] & m_d[None, :]
+            b_k = tl.load(p_kc + o_n[:, None] * DH + o_d[None, :], mask=m_nd, other=0.0)
+            b_v = tl.load(p_vc + o_n[:, None] * DH + o_d[None, :], mask=m_nd, other=0.0)
+            b_s = tl.dot(b_q, tl.trans(b_k))
+            b_s = tl.where(m_n[None, :], b_s, float("-inf"))
+            b_mn = tl.maximum(b_m, tl.max(b_s, 1))
+            b_p = tl.exp2(b_s - b_mn[:, None])
+            b_alpha = tl.exp2(b_m - b_mn)
+            b_l = b_l * b_alpha + tl.sum(b_p, 1)
+            b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+            b_m = b_mn
+        b_o = b_acc / b_l[:, None]
+        m_rd = m_r[:, None] & m_d[None, :]
+        if SPLIT > 0:
+            i_p = (i_kvh * NB + i_s) * G + o_r
+            tl.store(o_part + i_p[:, None] * DH + o_d[None, :], b_o, mask=m_rd)
+            tl.store(lse_part + i_p, b_m + tl.log2(b_l), mask=m_r)
+        else:
+            head = i_kvh * G + o_r
+            b_gate = tl.load(
+                qg + head[:, None] * (2 * DH) + DH + o_d[None, :], mask=m_rd, other=0.0
+            ).to(tl.float32)
+            tl.store(
+                out + head[:, None] * DH + o_d[None, :],
+                (b_o * sigmoid(b_gate)).to(out.dtype.element_ty),
+                mask=m_rd,
+            )
+
+
+@triton.jit
+def _combine_kernel(
+    qg,
+    p_pos,
+    o_part,
+    lse_part,
+    out,
+    NB,
+    H: tl.constexpr,
+    HKV: tl.constexpr,
+    DH: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BB: tl.constexpr,
+    BD: tl.constexpr,
+):
+    i_h = tl.program_id(0)
+    G: tl.constexpr = H // HKV
+    i_kvh, i_g = i_h // G, i_h % G
+    n_blocks = tl.cdiv(tl.load(p_pos).to(tl.int32) + 1, SPLIT)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < DH
+    # running max over the blocks' log-sum-exps (base 2); the first block is always valid
+    b_m = tl.full([1], float("-inf"), dtype=tl.float32)
+    b_s = tl.zeros([1], dtype=tl.float32)
+    b_acc = tl.zeros([BD], dtype=tl.float32)
+    for b0 in range(0, n_blocks, BB):
+        o_b = b0 + tl.arange(0, BB)
+        m_b = o_b < n_blocks
+        i_p = (i_kvh * NB + o_b) * G + i_g
+        b_lse = tl.load(lse_part + i_p, mask=m_b, other=float("-inf"))
+        b_mn = tl.maximum(b_m, tl.max(b_lse, 0))
+        b_w = tl.exp2(b_lse - b_mn)
+        b_alpha = tl.exp2(b_m - b_mn)
+        b_o = tl.load(
+            o_part + i_p[:, None] * DH + o_d[None, :], mask=m_b[:, None] & m_d[None, :], other=0.0
+        )
+        b_acc = b_acc * b_alpha + tl.sum(b_w[:, None] * b_o, 0)
+        b_s = b_s * b_alpha + tl.sum(b_w, 0)
+        b_m = b_mn
+    b_gate = tl.load(qg + i_h * (2 * DH) + DH + o_d, mask=m_d, other=0.0).to(tl.float32)
+    tl.store(
+        out + i_h * DH + o_d, (b_acc / b_s * sigmoid(b_gate)).to(out.dtype.element_ty), mask=m_d
+    )
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"attention_decode: {msg}")
+
+
+def default_split(max_len: int, num_kv_heads: int, block_n: int = 64) -> int:
+    """Rows per split block: about 256 programs at ``max_len``, between block_n and 4096."""
+    target_blocks = max(1, 256 // num_kv_heads)
+    split = triton.next_power_of_2(triton.cdiv(max_len, target_blocks))
+    return max(block_n, min(4096, split))
+
+
+def attention_decode(
+    qg: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_norm: Tensor,
+    k_norm: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    pos: Tensor,
+    inv_freq: Tensor,
+    eps: float = 1e-6,
+    *,
+    max_len: int | None = None,
+    split_threshold: int = 32768,
+    split: int | None = None,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> Tensor:
+    """Gated attention of one token at position ``pos`` (MODEL.md); writes K/V at ``pos``.
+
+    qg (H*2*Dh,): per head Dh query then Dh gate; k, v (Hkv*Dh,); q_norm, k_norm (Dh,)
+    (multipliers); k_cache, v_cache (Hkv, T_max, Dh), rows [0, pos) already filled; pos a
+    one-element int device tensor; inv_freq (R/2,) fp32 from ``rope_inv_freq``. A leading
+    batch dim of 1 is allowed on qg, k, v. ``max_len`` bounds pos+1 (default T_max): at or
+    above ``split_threshold`` the split-KV variant runs with blocks of ``split`` rows (0
+    forces the plain variant). Returns (H*Dh,) in qg's dtype.
+    """
+    _check(
+        k_cache.dim() == 3
+        and k_cache.shape == v_cache.shape
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and k_cache.dtype == v_cache.dtype,
+        f"k_cache and v_cache must be contiguous (Hkv, T_max, Dh) of one dtype, got "
+        f"{tuple(k_cache.shape)} {k_cache.dtype} and {tuple(v_cache.shape)} {v_cache.dtype}",
+    )
+    hkv, t_max, dh = k_cache.shape
+    lead = qg.shape[:-1]
+    _check(lead in ((), (1,)), f"one token expected, qg has shape {tuple(qg.shape)}")
+    _check(
+        qg.shape[-1] % (2 * dh) == 0 and qg.is_contiguous(),
+        f"qg must be contiguous (H*2*{dh},), got {tuple(qg.shape)}",
+    )
+    h = qg.shape[-1] // (2 * dh)
+    _check(h % hkv == 0, f"{h} query heads do not group over {hkv} KV heads")
+    for name, x in (("k", k), ("v", v)):
+        _check(
+            x.numel() == hkv * dh and x.is_contiguous(),
+            f"{name} must be contiguous ({hkv * dh},), got {tuple(x.shape)}",
+        )
+    for name, x in (("q_norm", q_norm), ("k_norm", k_norm)):
+        _check(x.shape == (dh,), f"{name} must be ({dh},), got {tuple(x.shape)}")
+    _check(
+        pos.numel() == 1 and not pos.dtype.is_floating_point,
+        f"pos must be a one-element integer tensor, got {tuple(pos.shape)} {pos.dtype}",
+    )
+    _check(
+        inv_freq.dim() == 1 and inv_freq.dtype == torch.float32 and 2 * inv_freq.numel() <= dh,
+        f"inv_freq must be fp32 (R/2,) with R <= {dh}, got {tuple(inv_freq.shape)}",
+    )
+    tensors = (qg, k, v, q_norm, k_norm, k_cache, v_cache, pos, inv_freq)
+    _check(all(x.device == k_cache.device for x in tensors), "all tensors must be on one device")
+    max_len = t_max if max_len is None else min(max_len, t_max)
+    if split is None:
+        split = default_split(max_len, hkv, block_n) if max_len >= split_threshold else 0
+    _check(
+        split == 0 or (split % block_n == 0 and split >= block_n),
+        f"split must be 0 or a multiple of block_n={block_n}, got {split}",
+    )
+
+    out = torch.empty(*lead, h * dh, dtype=qg.dtype, device=qg.device)
+    g = h // hkv
+    gp = max(16, triton.next_power_of_2(g))
+    sm_scale = dh**-0.5 * LOG2E
+    nb = triton.cdiv(max_len, split) if split else 1
+    if split:
+        o_part = torch.empty(hkv, nb, g, dh, dtype=torch.float32, device=qg.device)
+        lse_part = torch.empty(hkv, nb, g, dtype=torch.float32, device=qg.device)
+    else:
+        o_part = lse_part = out  # unused
+    _attn_decode_kernel[(hkv, nb)](
+        qg,
+        k,
+        v,
+        q_norm,
+        k_norm,
+        inv_freq,
+        k_cache,
+        v_cache,
+        pos,
+        out,
+        o_part,
+        lse_part,
+        eps,
+        sm_scale,
+        t_max,
+        nb,
+        H=h,
+        HKV=hkv,
+        DH=dh,
+        R=2 * inv_freq.numel(),
+        GP=gp,
+        BD=triton.next_power_of_2(dh),
+        BN=block_n,
+        SPLIT=split,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if split:
+        _combine_kernel[(h,)](
+            qg,
+            pos,
+            o_part,
+            lse_part,
+            out,
+            nb,
+            H=h,
+            HKV=hkv,
+            DH=dh,
+            SPLIT=split,
+            BB=16,
+            BD=triton.next_power_of_2(dh),
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,289 @@
+"""Gated full attention, prefill: a chunk of T queries at positions [start, start+T).
+
+Two kernels:
+1. ``_prep_kernel``: per token and head, q/k RMSNorm and partial RoPE; the queries go to a
+   (T, H, Dh) buffer in the cache dtype, K and V of the chunk into the cache rows
+   [start, start+T).
+2. ``_flash_kernel``: causal flash attention with GQA packing: a program takes BM rows made
+   of BM/G consecutive tokens times the G query heads of one KV head (adjacent in memory),
+   so each K/V tile serves all G heads. Online softmax in base 2, fp32 accumulators,
+   tensor-core products in the cache dtype; the causal mask is applied only on the tiles
+   that cross the diagonal. The output is multiplied by sigmoid(gate) and written (T, H*Dh).
+``start`` may be a Python int or a one-element device tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lily.ops.norm_rope import rms_rope_rows, sigmoid
+
+Tensor = torch.Tensor
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prep_kernel(
+    qg,
+    k,
+    v,
+    q_norm,
+    k_norm,
+    inv_freq,
+    p_start,
+    q_buf,
+    k_cache,
+    v_cache,
+    T,
+    T_MAX,
+    eps,
+    H: tl.constexpr,
+    HKV: tl.constexpr,
+    DH: tl.constexpr,
+    R: tl.constexpr,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+):
+    i_t, i_g = tl.program_id(0), tl.program_id(1)
+    start = tl.load(p_start).to(tl.int32)
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    o_d = tl.arange(0, BD)
+    m_td = m_t[:, None] & (o_d < DH)[None, :]
+    if i_g < H:  # a query head
+        b_q = rms_rope_rows(
+            qg,
+            o_t * (H * 2 * DH) + i_g * 2 * DH,
+            m_t,
+            q_norm,
+            inv_freq,
+            start + o_t,
+            eps,
+            DH,
+            R,
+            BD,
+        )
+        tl.store(
+            q_buf + (o_t[:, None] * H + i_g) * DH + o_d[None, :],
+            b_q.to(q_buf.dtype.element_ty),
+            mask=m_td,
+        )
+    else:  # a KV head: K normed and rotated, V as is, both into the cache
+        i_h = i_g - H
+        b_k = rms_rope_rows(
+            k, o_t * (HKV * DH) + i_h * DH, m_t, k_norm, inv_freq, start + o_t, eps, DH, R, BD
+        )
+        b_v = tl.load(v + o_t[:, None] * (HKV * DH) + i_h * DH + o_d[None, :], mask=m_td, other=0.0)
+        p_row = i_h * T_MAX * DH + (start + o_t)[:, None] * DH + o_d[None, :]
+        tl.store(k_cache + p_row, b_k.to(k_cache.dtype.element_ty), mask=m_td)
+        tl.store(v_cache + p_row, b_v.to(v_cache.dtype.element_ty), mask=m_td)
+
+
+@triton.jit
+def _flash_kernel(
+    qg,
+    q_buf,
+    k_cache,
+    v_cache,
+    p_start,
+    out,
+    T,
+    T_MAX,
+    sm_scale,
+    H: tl.constexpr,
+    HKV: tl.constexpr,
+    DH: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BD: tl.constexpr,
+):
+    i_m, i_kvh = tl.program_id(0), tl.program_id(1)
+    G: tl.constexpr = H // HKV
+    BMT: tl.constexpr = BM // G  # tokens per program
+    start = tl.load(p_start).to(tl.int32)
+    o_r = tl.arange(0, BM)
+    o_t = i_m * BMT + o_r // G  # token of each row (within the chunk)
+    head = i_kvh * G + o_r % G
+    m_t = o_t < T
+    o_d = tl.arange(0, BD)
+    m_d = o_d < DH
+    m_rd = m_t[:, None] & m_d[None, :]
+    b_q = tl.load(
+        q_buf + (o_t[:, None] * H + head[:, None]) * DH + o_d[None, :], mask=m_rd, other=0.0
+    )
+    b_q = (b_q.to(tl.float32) * sm_scale).to(k_cache.dtype.element_ty)  # includes log2(e)
+    q_pos = start + o_t
+    p_kc = k_cache + i_kvh * T_MAX * DH
+    p_vc = v_cache + i_kvh * T_MAX * DH
+
+    b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BM], dtype=tl.float32)
+    b_acc = tl.zeros([BM, BD], dtype=tl.float32)
+    first_pos = start + i_m * BMT  # keys below it are visible to every row of the program
+    last_pos = tl.minimum(first_pos + BMT, start + T)  # one past the last key any row sees
+    n_full = (first_pos // BN) * BN
+    for n0 in range(0, n_full, BN):  # tiles fully below the diagonal: no mask
+        o_n = n0 + tl.arange(0, BN)
+        b_k = tl.load(p_kc + o_n[:, None] * DH + o_d[None, :], mask=m_d[None, :], other=0.0)
+        b_v = tl.load(p_vc + o_n[:, None] * DH + o_d[None, :], mask=m_d[None, :], other=0.0)
+        b_s = tl.dot(b_q, tl.trans(b_k))
+        b_mn = tl.maximum(b_m, tl.max(b_s, 1))
+        b_p = tl.exp2(b_s - b_mn[:, None])
+        b_alpha = tl.exp2(b_m - b_mn)
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+        b_m = b_mn
+    for n0 in range(n_full, last_pos, BN):  # tiles crossing the diagonal
+        o_n = n0 + tl.arange(0, BN)
+        m_n = o_n < last_pos
+        b_k = tl.load(
+            p_kc + o_n[:, None] * DH + o_d[None, :], mask=m_n[:, None] & m_d[None, :], other=0.0
+        )
+        b_v = tl.load(
+            p_vc + o_n[:, None] * DH + o_d[None, :], mask=m_n[:, None] & m_d[None, :], other=0.0
+        )
+        b_s = tl.dot(b_q, tl.trans(b_k))
+        b_s = tl.where(o_n[None, :] <= q_pos[:, None], b_s, float("-inf"))
+        b_mn = tl.maximum(b_m, tl.max(b_s, 1))
+        b_p = tl.exp2(b_s - b_mn[:, None])
+        b_alpha = tl.exp2(b_m - b_mn)
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+        b_m = b_mn
+    # padded rows (token >= T) saw only masked keys: keep them finite, they are not stored
+    b_l = tl.where(m_t, b_l, 1.0)
+    b_gate = tl.load(
+        qg + o_t[:, None] * (H * 2 * DH) + head[:, None] * (2 * DH) + DH + o_d[None, :],
+        mask=m_rd,
+        other=0.0,
+    ).to(tl.float32)
+    b_o = b_acc / b_l[:, None] * sigmoid(b_gate)
+    tl.store(
+        out + o_t[:, None] * (H * DH) + head[:, None] * DH + o_d[None, :],
+        b_o.to(out.dtype.element_ty),
+        mask=m_rd,
+    )
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"attention_prefill: {msg}")
+
+
+def attention_prefill(
+    qg: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_norm: Tensor,
+    k_norm: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    start: int | Tensor,
+    inv_freq: Tensor,
+    eps: float = 1e-6,
+    *,
+    block_m: int = 64,
+    block_n: int = 64,
+    num_warps: int = 8,
+    num_stages: int = 2,
+) -> Tensor:
+    """Gated causal attention of T tokens at positions [start, start+T) (MODEL.md).
+
+    qg (T, H*2*Dh): per head Dh query then Dh gate; k, v (T, Hkv*Dh); q_norm, k_norm (Dh,)
+    (multipliers); k_cache, v_cache (Hkv, T_max, Dh) with rows [0, start) filled, rows
+    [start, start+T) written here; start an int or one-element int device tensor (then the
+    caller guarantees start + T <= T_max); inv_freq (R/2,) fp32 from ``rope_inv_freq``.
+    Returns (T, H*Dh) in qg's dtype.
+    """
+    _check(
+        k_cache.dim() == 3
+        and k_cache.shape == v_cache.shape
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and k_cache.dtype == v_cache.dtype,
+        f"k_cache and v_cache must be contiguous (Hkv, T_max, Dh) of one dtype, got "
+        f"{tuple(k_cache.shape)} {k_cache.dtype} and {tuple(v_cache.shape)} {v_cache.dtype}",
+    )
+    hkv, t_max, dh = k_cache.shape
+    _check(
+        qg.dim() == 2 and qg.shape[1] % (2 * dh) == 0 and qg.is_contiguous(),
+        f"qg must be contiguous (T, H*2*{dh}), got {tuple(qg.shape)}",
+    )
+    t, h = qg.shape[0], qg.shape[1] // (2 * dh)
+    _check(t > 0, "empty chunk (T = 0)")
+    _check(h % hkv == 0, f"{h} query heads do not group over {hkv} KV heads")
+    g = h // hkv
+    for name, x in (("k", k), ("v", v)):
+        _check(
+            x.shape == (t, hkv * dh) and x.is_contiguous(),
+            f"{name} must be contiguous ({t}, {hkv * dh}), got {tuple(x.shape)}",
+        )
+    for name, x in (("q_norm", q_norm), ("k_norm", k_norm)):
+        _check(x.shape == (dh,), f"{name} must be ({dh},), got {tuple(x.shape)}")
+    _check(
+        inv_freq.dim() == 1 and inv_freq.dtype == torch.float32 and 2 * inv_freq.numel() <= dh,
+        f"inv_freq must be fp32 (R/2,) with R <= {dh}, got {tuple(inv_freq.shape)}",
+    )
+    if isinstance(start, int):
+        _check(
+            0 <= start and start + t <= t_max,
+            f"positions [{start}, {start + t}) do not fit a cache of {t_max}",
+        )
+        start = torch.tensor([start], dtype=torch.int32, device=qg.device)
+    _check(
+        start.numel() == 1 and not start.dtype.is_floating_point,
+        f"start must be an int or a one-element integer tensor, got {start.dtype}",
+    )
+    tensors = (qg, k, v, q_norm, k_norm, k_cache, v_cache, start, inv_freq)
+    _check(all(x.device == k_cache.device for x in tensors), "all tensors must be on one device")
+    _check(block_m % g == 0, f"block_m={block_m} must be a multiple of the group size {g}")
+
+    bd = triton.next_power_of_2(dh)
+    q_buf = torch.empty(t, h, dh, dtype=k_cache.dtype, device=qg.device)
+    bt = 16
+    _prep_kernel[(triton.cdiv(t, bt), h + hkv)](
+        qg,
+        k,
+        v,
+        q_norm,
+        k_norm,
+        inv_freq,
+        start,
+        q_buf,
+        k_cache,
+        v_cache,
+        t,
+        t_max,
+        eps,
+        H=h,
+        HKV=hkv,
+        DH=dh,
+        R=2 * inv_freq.numel(),
+        BT=bt,
+        BD=bd,
+        num_warps=4,
+    )
+    out = torch.empty(t, h * dh, dtype=qg.dtype, device=qg.device)
+    _flash_kernel[(triton.cdiv(t, block_m // g), hkv)](
+        qg,
+        q_buf,
+        k_cache,
+        v_cache,
+        start,
+        out,
+        t,
+        t_max,
+        dh**-0.5 * LOG2E,
+        H=h,
+        HKV=hkv,
+        DH=dh,
+        BM=block_m,
+        BN=block_n,
+        BD=bd,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out

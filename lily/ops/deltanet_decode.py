@@ -1,0 +1,286 @@
+"""Gated DeltaNet decode: one fused kernel per layer per token.
+
+One launch does the conv update + SiLU, the per-head L2 norm of q and k, the gates, the
+gated delta rule on the fp32 state (read once, written once, in place) and the gated
+RMSNorm, writing the (Hv*Vd,) output in the compute dtype.
+
+Grid: (Vd blocks, value heads); each program owns a (K, BV) column block of one head's
+state, so the 2 MiB of state per layer streams through many SMs at once. Two things need
+data from other programs of the same launch, handled with a "last arrival" counter (an
+atomic per group, reset by the program that sees the count complete) instead of a second
+launch:
+- the q/k conv channels of a key head are read by all G*NV programs that use that head, so
+  only the last of them may shift the conv state of those channels;
+- the gated RMSNorm needs the whole Vd row of a head: programs park their fp32 slice in a
+  small buffer and the last one of the head normalises it.
+No host synchronisation: the step can be captured in a CUDA graph (pass a persistent
+``workspace``, see ``DeltaNetDecodeWorkspace``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from lily.ops.norm_rope import gated_rmsnorm_rows, sigmoid, silu
+
+Tensor = torch.Tensor
+
+
+@triton.jit
+def conv_silu_channels(
+    x, conv_w, conv_state, ch, m_c, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr
+):
+    """Causal conv of one new input over channels ``ch``; returns (silu(y), old rows, x)."""
+    o_w = tl.arange(0, WP)
+    m_ws = (o_w < W - 1)[:, None] & m_c[None, :]
+    b_s = tl.load(conv_state + o_w[:, None] * C + ch[None, :], mask=m_ws, other=0.0)
+    b_wt = tl.load(conv_w + ch[None, :] * W + o_w[:, None], mask=m_ws, other=0.0).to(tl.float32)
+    b_wl = tl.load(conv_w + ch * W + (W - 1), mask=m_c, other=0.0).to(tl.float32)
+    b_x = tl.load(x + ch, mask=m_c, other=0.0)
+    b_y = tl.sum(b_s.to(tl.float32) * b_wt, 0) + b_x.to(tl.float32) * b_wl
+    return silu(b_y), b_s, b_x
+
+
+@triton.jit
+def conv_shift_store(
+    conv_state, ch, m_c, b_s, b_x, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr
+):
+    """New conv state of channels ``ch``: old rows 1..W-2 move up one, x becomes the last row.
+
+    NOTE: callers put a barrier before this: other threads may still be reading the rows.
+    """
+    o_w = tl.arange(0, WP)
+    dt = conv_state.dtype.element_ty
+    m_up = ((o_w >= 1) & (o_w < W - 1))[:, None] & m_c[None, :]
+    tl.store(conv_state + (o_w[:, None] - 1) * C + ch[None, :], b_s.to(dt), mask=m_up)
+    tl.store(conv_state + (W - 2) * C + ch, b_x.to(dt), mask=m_c)
+
+
+@triton.jit
+def deltanet_gates(b_b, b_a, b_alog, b_dtb):
+    """beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), from loaded values."""
+    b_x = b_a.to(tl.float32) + b_dtb.to(tl.float32)
+    b_sp = tl.where(b_x > 20.0, b_x, tl.log(1.0 + tl.exp(tl.minimum(b_x, 20.0))))
+    return -tl.exp(b_alog.to(tl.float32)) * b_sp, sigmoid(b_b.to(tl.float32))
+
+
+@triton.jit
+def _deltanet_decode_kernel(
+    x,
+    z,
+    b,
+    a,
+    conv_w,
+    conv_state,
+    A_log,
+    dt_bias,
+    norm_w,
+    state,
+    out,
+    o_buf,
+    counters,
+    q_scale,
+    eps,
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    VD: tl.constexpr,
+    W: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    BVD: tl.constexpr,
+    WP: tl.constexpr,
+    NV: tl.constexpr,
+):
+    i_v, i_h = tl.program_id(0), tl.program_id(1)
+    G: tl.constexpr = HV // HK
+    C: tl.constexpr = 2 * HK * K + HV * VD
+    i_kh = i_h // G
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < VD
+
+    # conv + SiLU of this program's channels: its key head's q and k, its slice of v
+    c_q = i_kh * K + o_k
+    c_k = HK * K + i_kh * K + o_k
+    c_v = 2 * HK * K + i_h * VD + o_v
+    b_q, s_q, x_q = conv_silu_channels(x, conv_w, conv_state, c_q, m_k, C, W, WP)
+    b_k, s_k, x_k = conv_silu_channels(x, conv_w, conv_state, c_k, m_k, C, W, WP)
+    b_v, s_v, x_v = conv_silu_channels(x, conv_w, conv_state, c_v, m_v, C, W, WP)
+    b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 0) + 1e-6) * q_scale
+    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 0) + 1e-6)
+    b_g, b_beta = deltanet_gates(
+        tl.load(b + i_h), tl.load(a + i_h), tl.load(A_log + i_h), tl.load(dt_bias + i_h)
+    )
+
+    # the recurrence on a (K, BV) block of the state, read once and written once
+    p_s = state + i_h * K * VD + o_k[:, None] * VD + o_v[None, :]
+    m_s = m_k[:, None] & m_v[None, :]
+    b_S = tl.load(p_s, mask=m_s, other=0.0) * tl.exp(b_g)
+    b_d = b_beta * (b_v - tl.sum(b_S * b_k[:, None], 0))
+    b_S = b_S + b_k[:, None] * b_d[None, :]
+    b_o = tl.sum(b_S * b_q[:, None], 0)
+    tl.store(p_s, b_S, mask=m_s)
+
+    # conv state: the v slice is ours alone; q/k go to the last program of the key head
+    tl.debug_barrier()
+    conv_shift_store(conv_state, c_v, m_v, s_v, x_v, C, W, WP)
+    if G * NV == 1:
+        conv_shift_store(conv_state, c_q, m_k, s_q, x_q, C, W, WP)
+        conv_shift_store(conv_state, c_k, m_k, s_k, x_k, C, W, WP)
+    else:
+        n_kh = tl.atomic_add(counters + i_kh, 1, sem="acq_rel")
+        if n_kh == G * NV - 1:
+            conv_shift_store(conv_state, c_q, m_k, s_q, x_q, C, W, WP)
+            conv_shift_store(conv_state, c_k, m_k, s_k, x_k, C, W, WP)
+            tl.atomic_xchg(counters + i_kh, 0)
+
+    # gated RMSNorm over the whole head row
+    b_w = tl.load(norm_w + o_v, mask=m_v, other=0.0).to(tl.float32)
+    if NV == 1:
+        b_z = tl.load(z + i_h * VD + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_y = gated_rmsnorm_rows(b_o[None, :], b_z[None, :], b_w, eps, VD)
+        tl.store(out + i_h * VD + o_v[None, :], b_y.to(out.dtype.element_ty), mask=m_v[None, :])
+    else:
+        tl.store(o_buf + i_h * VD + o_v, b_o, mask=m_v)
+        tl.debug_barrier()
+        n_h = tl.atomic_add(counters + HK + i_h, 1, sem="acq_rel")
+        if n_h == NV - 1:
+            o_a = tl.arange(0, BVD)
+            m_a = o_a < VD
+            b_oa = tl.load(o_buf + i_h * VD + o_a, mask=m_a, other=0.0, cache_modifier=".cg")
+            b_za = tl.load(z + i_h * VD + o_a, mask=m_a, other=0.0).to(tl.float32)
+            b_wa = tl.load(norm_w + o_a, mask=m_a, other=0.0).to(tl.float32)
+            b_y = gated_rmsnorm_rows(b_oa[None, :], b_za[None, :], b_wa, eps, VD)
+            tl.store(out + i_h * VD + o_a[None, :], b_y.to(out.dtype.element_ty), mask=m_a[None, :])
+            tl.atomic_xchg(counters + HK + i_h, 0)
+
+
+@dataclass
+class DeltaNetDecodeWorkspace:
+    """Scratch for the decode kernel: counters (Hk + Hv,) int32, zero between launches (the
+    kernel resets them), and the fp32 row buffer (Hv*Vd,). One per device and stream; it
+    may be shared by all layers since layers run one after another."""
+
+    counters: Tensor
+    o_buf: Tensor
+
+    @classmethod
+    def new(
+        cls, num_k_heads: int, num_v_heads: int, v_dim: int, device: torch.device | str
+    ) -> DeltaNetDecodeWorkspace:
+        return cls(
+            torch.zeros(num_k_heads + num_v_heads, dtype=torch.int32, device=device),
+            torch.empty(num_v_heads * v_dim, dtype=torch.float32, device=device),
+        )
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"deltanet_decode: {msg}")
+
+
+def deltanet_decode(
+    mixed_qkv: Tensor,
+    z: Tensor,
+    b: Tensor,
+    a: Tensor,
+    conv_weight: Tensor,
+    conv_state: Tensor,
+    A_log: Tensor,
+    dt_bias: Tensor,
+    norm_weight: Tensor,
+    state: Tensor,
+    eps: float = 1e-6,
+    *,
+    workspace: DeltaNetDecodeWorkspace | None = None,
+    block_v: int = 16,
+    num_warps: int = 4,
+) -> Tensor:
+    """One Gated DeltaNet step for one token (MODEL.md), updating ``conv_state`` and ``state``.
+
+    mixed_qkv (C,) the in_proj_qkv output q|k|v with C = 2*Hk*K + Hv*Vd; z (Hv*Vd,); b, a
+    (Hv,); conv_weight (C, W); conv_state (W-1, C) in place; A_log, dt_bias (Hv,);
+    norm_weight (Vd,); state (Hv, K, Vd) fp32 in place. A leading batch dim of 1 is allowed
+    on mixed_qkv, z, b, a. Returns (Hv*Vd,) (or (1, Hv*Vd)) in mixed_qkv's dtype.
+    """
+    _check(
+        state.dim() == 3 and state.dtype == torch.float32 and state.is_contiguous(),
+        f"state must be a contiguous fp32 (Hv, K, Vd) tensor, got {tuple(state.shape)} "
+        f"{state.dtype}",
+    )
+    hv, kd, vd = state.shape
+    _check(
+        conv_state.dim() == 2 and conv_state.is_contiguous(),
+        f"conv_state must be a contiguous (W-1, C) tensor, got {tuple(conv_state.shape)}",
+    )
+    c = conv_state.shape[1]
+    width = conv_state.shape[0] + 1
+    hk = (c - hv * vd) // (2 * kd)
+    _check(
+        hk > 0 and 2 * hk * kd + hv * vd == c and hv % hk == 0,
+        f"conv width C={c} is not 2*Hk*K + Hv*Vd with K={kd}, Hv={hv}, Vd={vd}",
+    )
+    lead = mixed_qkv.shape[:-1]
+    _check(lead in ((), (1,)), f"one token expected, mixed_qkv has shape {tuple(mixed_qkv.shape)}")
+    for name, t, n in (("mixed_qkv", mixed_qkv, c), ("z", z, hv * vd), ("b", b, hv), ("a", a, hv)):
+        _check(
+            t.shape[-1] == n and t.numel() == n and t.is_contiguous(),
+            f"{name} must be contiguous with {n} values, got {tuple(t.shape)}",
+        )
+    _check(
+        conv_weight.shape == (c, width) and conv_weight.is_contiguous(),
+        f"conv_weight must be contiguous ({c}, {width}), got {tuple(conv_weight.shape)}",
+    )
+    for name, t, n in (
+        ("A_log", A_log, hv),
+        ("dt_bias", dt_bias, hv),
+        ("norm_weight", norm_weight, vd),
+    ):
+        _check(t.shape == (n,), f"{name} must be ({n},), got {tuple(t.shape)}")
+    tensors = (mixed_qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, norm_weight, state)
+    _check(all(t.device == state.device for t in tensors), "all tensors must be on one device")
+
+    bv = min(triton.next_power_of_2(block_v), triton.next_power_of_2(vd))
+    nv = triton.cdiv(vd, bv)
+    if workspace is None:
+        workspace = DeltaNetDecodeWorkspace.new(hk, hv, vd, state.device)
+    _check(
+        workspace.counters.numel() >= hk + hv and workspace.o_buf.numel() >= hv * vd,
+        "workspace too small for these shapes",
+    )
+    out = torch.empty(*lead, hv * vd, dtype=mixed_qkv.dtype, device=state.device)
+    _deltanet_decode_kernel[(nv, hv)](
+        mixed_qkv,
+        z,
+        b,
+        a,
+        conv_weight,
+        conv_state,
+        A_log,
+        dt_bias,
+        norm_weight,
+        state,
+        out,
+        workspace.o_buf,
+        workspace.counters,
+        kd**-0.5,
+        eps,
+        HK=hk,
+        HV=hv,
+        K=kd,
+        VD=vd,
+        W=width,
+        BK=triton.next_power_of_2(kd),
+        BV=bv,
+        BVD=triton.next_power_of_2(vd),
+        WP=triton.next_power_of_2(max(width - 1, 1)),
+        NV=nv,
+        num_warps=num_warps,
+    )
+    return out

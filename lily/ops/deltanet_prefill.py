@@ -1,0 +1,485 @@
+"""Gated DeltaNet prefill: a chunk of T tokens with carried conv and recurrent state.
+
+Three stages, each a kernel:
+1. ``_prep_kernel``: causal depthwise conv over the chunk (the carried conv state supplies
+   the first W-1 taps) + SiLU, L2 norm of q and k per head (q also scaled by 1/sqrt(K)), the
+   gates g and beta; writes y (T, C) = q|k|v in the compute dtype and the new conv state.
+2. the gated delta rule over the T tokens, in one of two forms with the same result:
+   - ``method="scan"``: token by token; each program keeps a (K, BV) column block of one
+     head's state in registers for the whole chunk and writes it once at the end;
+   - ``method="chunk"``: the matrix form of the Gated DeltaNet paper. Within chunks of BT
+     tokens the rule is a unit lower-triangular system (the UT/WY transform):
+     ``_chunk_wy_kernel`` (parallel over chunks) solves it, giving w = T (beta*exp(gc)*k)
+     and u = T (beta*v); ``_chunk_scan_kernel`` then walks the chunks in order with the
+     state on chip: v' = u - w S, o = (q*exp(gc)) S + tril(q k^T * decay) v',
+     S = exp(g_last) S + (k*exp(g_last-gc))^T v'.
+3. the gated RMSNorm, fused into the scan when one program covers a whole head (BV >= Vd),
+   else a separate small kernel.
+The state (Hv, K, Vd) fp32 and the conv state (W-1, C) are updated in place.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lily.ops.deltanet_decode import deltanet_gates
+from lily.ops.norm_rope import gated_rmsnorm, silu
+
+Tensor = torch.Tensor
+
+
+@triton.jit
+def _prep_kernel(
+    x,
+    conv_w,
+    conv_state,
+    b,
+    a,
+    A_log,
+    dt_bias,
+    y,
+    g,
+    beta,
+    T,
+    q_scale,
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    VD: tl.constexpr,
+    W: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    WP: tl.constexpr,
+):
+    i_t, i_g = tl.program_id(0), tl.program_id(1)
+    C: tl.constexpr = 2 * HK * K + HV * VD
+    # program roles: i_g < HK a q head, < 2*HK a k head, else a v head (width VD)
+    is_v = i_g >= 2 * HK
+    width = tl.where(is_v, VD, K)
+    base = tl.where(is_v, 2 * HK * K + (i_g - 2 * HK) * VD, i_g * K)
+    o_c = tl.arange(0, BC)
+    m_c = o_c < width
+    ch = base + o_c
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+
+    b_y = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(W):
+        r = o_t - (W - 1) + j  # input row of tap j; rows < 0 come from the carried state
+        m_x = (m_t & (r >= 0))[:, None] & m_c[None, :]
+        m_s = (m_t & (r < 0))[:, None] & m_c[None, :]
+        b_x = tl.load(x + r[:, None] * C + ch[None, :], mask=m_x, other=0.0).to(tl.float32)
+        b_x += tl.load(conv_state + (r + W - 1)[:, None] * C + ch[None, :], mask=m_s, other=0.0).to(
+            tl.float32
+        )
+        b_w = tl.load(conv_w + ch * W + j, mask=m_c, other=0.0).to(tl.float32)
+        b_y += b_x * b_w[None, :]
+    b_y = silu(b_y)
+    if i_g < 2 * HK:
+        b_y = b_y * tl.rsqrt(tl.sum(b_y * b_y, 1) + 1e-6)[:, None]
+        b_y = b_y * tl.where(i_g < HK, q_scale, 1.0)
+    tl.store(
+        y + o_t[:, None] * C + ch[None, :],
+        b_y.to(y.dtype.element_ty),
+        mask=m_t[:, None] & m_c[None, :],
+    )
+    if i_g >= 2 * HK:
+        i_h = i_g - 2 * HK
+        b_g, b_beta = deltanet_gates(
+            tl.load(b + o_t * HV + i_h, mask=m_t, other=0.0),
+            tl.load(a + o_t * HV + i_h, mask=m_t, other=0.0),
+            tl.load(A_log + i_h),
+            tl.load(dt_bias + i_h),
+        )
+        tl.store(g + o_t * HV + i_h, b_g, mask=m_t)
+        tl.store(beta + o_t * HV + i_h, b_beta, mask=m_t)
+
+    if i_t == 0:
+        # NOTE: only this program reads the old conv state of these channels (BT >= W-1),
+        # so it alone may overwrite it, once all its threads are done reading.
+        o_w = tl.arange(0, WP)
+        src = T + o_w  # row of cat(old state, x) that becomes new row o_w
+        m_w = o_w < W - 1
+        m_nx = (m_w & (src >= W - 1))[:, None] & m_c[None, :]
+        m_ns = (m_w & (src < W - 1))[:, None] & m_c[None, :]
+        b_n = tl.load(x + (src - (W - 1))[:, None] * C + ch[None, :], mask=m_nx, other=0.0).to(
+            tl.float32
+        )
+        b_n += tl.load(conv_state + src[:, None] * C + ch[None, :], mask=m_ns, other=0.0).to(
+            tl.float32
+        )
+        tl.debug_barrier()
+        tl.store(
+            conv_state + o_w[:, None] * C + ch[None, :],
+            b_n.to(conv_state.dtype.element_ty),
+            mask=m_w[:, None] & m_c[None, :],
+        )
+
+
+@triton.jit
+def _scan_kernel(
+    y,
+    g,
+    beta,
+    state,
+    z,
+    norm_w,
+    o_buf,
+    T,
+    eps,
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    VD: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    FUSE_NORM: tl.constexpr,
+):
+    i_v, i_h = tl.program_id(0), tl.program_id(1)
+    C: tl.constexpr = 2 * HK * K + HV * VD
+    i_kh = i_h // (HV // HK)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < VD
+    p_s = state + i_h * K * VD + o_k[:, None] * VD + o_v[None, :]
+    m_s = m_k[:, None] & m_v[None, :]
+    b_S = tl.load(p_s, mask=m_s, other=0.0)
+    p_q = y + i_kh * K + o_k
+    p_k = y + HK * K + i_kh * K + o_k
+    p_v = y + 2 * HK * K + i_h * VD + o_v
+    if FUSE_NORM:
+        b_nw = tl.load(norm_w + o_v, mask=m_v, other=0.0).to(tl.float32)
+    # NOTE: no jit helper calls inside the loops: each costs milliseconds in the interpreter
+    for t in range(T):
+        b_q = tl.load(p_q + t * C, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(p_k + t * C, mask=m_k, other=0.0).to(tl.float32)
+        b_v = tl.load(p_v + t * C, mask=m_v, other=0.0).to(tl.float32)
+        b_g = tl.load(g + t * HV + i_h)
+        b_b = tl.load(beta + t * HV + i_h)
+        b_S = b_S * tl.exp(b_g)
+        b_d = b_b * (b_v - tl.sum(b_S * b_k[:, None], 0))
+        b_S = b_S + b_k[:, None] * b_d[None, :]
+        b_o = tl.sum(b_S * b_q[:, None], 0)
+        off = t * (HV * VD) + i_h * VD + o_v
+        if FUSE_NORM:  # gated RMSNorm: rmsnorm(o) * w * silu(z)
+            b_z = tl.load(z + off, mask=m_v, other=0.0).to(tl.float32)
+            b_r = tl.rsqrt(tl.sum(b_o * b_o, 0) / VD + eps)
+            b_o = b_o * b_r * b_nw * b_z / (1.0 + tl.exp(-b_z))
+        tl.store(o_buf + off, b_o.to(o_buf.dtype.element_ty), mask=m_v)
+    tl.store(p_s, b_S, mask=m_s)
+
+
+@triton.jit
+def _chunk_wy_kernel(
+    y,
+    g,
+    beta,
+    w,
+    u,
+    T,
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    VD: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BVD: tl.constexpr,
+):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    C: tl.constexpr = 2 * HK * K + HV * VD
+    i_kh = i_h // (HV // HK)
+    o_i = tl.arange(0, BT)
+    o_t = i_c * BT + o_i
+    m_t = o_t < T
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = tl.arange(0, BVD)
+    m_v = o_v < VD
+    # padded rows get g = 0 and beta = 0: they change nothing
+    b_gc = tl.cumsum(tl.load(g + o_t * HV + i_h, mask=m_t, other=0.0), 0)
+    b_b = tl.load(beta + o_t * HV + i_h, mask=m_t, other=0.0)
+    b_k = tl.load(
+        y + o_t[:, None] * C + HK * K + i_kh * K + o_k[None, :],
+        mask=m_t[:, None] & m_k[None, :],
+        other=0.0,
+    )
+    # A[i, j] = beta_i (k_i . k_j) exp(gc_i - gc_j) for j < i: the system is (I + A) X = RHS
+    lower = o_i[:, None] > o_i[None, :]
+    b_A = tl.dot(b_k, tl.trans(b_k)) * b_b[:, None]
+    b_A = tl.where(lower, b_A * tl.exp(tl.where(lower, b_gc[:, None] - b_gc[None, :], 0.0)), 0.0)
+    # forward substitution for (I + A)^-1 = I + Y, one row at a time (row i needs rows < i)
+    b_Y = tl.zeros([BT, BT], dtype=tl.float32)
+    for i in range(1, BT):
+        b_a = -tl.sum(tl.where(o_i[:, None] == i, b_A, 0.0), 0)
+        b_r = b_a + tl.sum(b_a[:, None] * b_Y, 0)
+        b_Y = tl.where(o_i[:, None] == i, b_r[None, :], b_Y)
+    b_Ti = b_Y + tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
+    b_kd = b_k.to(tl.float32) * (b_b * tl.exp(b_gc))[:, None]
+    b_w = tl.dot(b_Ti, b_kd)
+    b_v = tl.load(
+        y + o_t[:, None] * C + 2 * HK * K + i_h * VD + o_v[None, :],
+        mask=m_t[:, None] & m_v[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    b_u = tl.dot(b_Ti, b_v * b_b[:, None])
+    tl.store(
+        w + (o_t[:, None] * HV + i_h) * K + o_k[None, :],
+        b_w.to(w.dtype.element_ty),
+        mask=m_t[:, None] & m_k[None, :],
+    )
+    tl.store(
+        u + (o_t[:, None] * HV + i_h) * VD + o_v[None, :],
+        b_u.to(u.dtype.element_ty),
+        mask=m_t[:, None] & m_v[None, :],
+    )
+
+
+@triton.jit
+def _chunk_scan_kernel(
+    y,
+    g,
+    w,
+    u,
+    state,
+    z,
+    norm_w,
+    o_buf,
+    T,
+    eps,
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    VD: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    FUSE_NORM: tl.constexpr,
+):
+    i_v, i_h = tl.program_id(0), tl.program_id(1)
+    C: tl.constexpr = 2 * HK * K + HV * VD
+    i_kh = i_h // (HV // HK)
+    o_i = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < VD
+    p_s = state + i_h * K * VD + o_k[:, None] * VD + o_v[None, :]
+    m_s = m_k[:, None] & m_v[None, :]
+    b_S = tl.load(p_s, mask=m_s, other=0.0)
+    causal = o_i[:, None] >= o_i[None, :]
+    if FUSE_NORM:
+        b_nw = tl.load(norm_w + o_v, mask=m_v, other=0.0).to(tl.float32)
+    for i_c in range(tl.cdiv(T, BT)):
+        o_t = i_c * BT + o_i
+        m_t = o_t < T
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_gc = tl.cumsum(tl.load(g + o_t * HV + i_h, mask=m_t, other=0.0), 0)
+        b_gl = tl.sum(tl.where(o_i == BT - 1, b_gc, 0.0))  # padded rows add 0: the last real
+        b_q = tl.load(y + o_t[:, None] * C + i_kh * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_k = tl.load(y + o_t[:, None] * C + HK * K + i_kh * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_w = tl.load(w + (o_t[:, None] * HV + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_u = tl.load(
+            u + (o_t[:, None] * HV + i_h) * VD + o_v[None, :],
+            mask=m_t[:, None] & m_v[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        # what the state at the chunk start already predicts is removed: the delta rule
+        b_vn = b_u - tl.dot(b_w.to(tl.float32), b_S)
+        b_qk = tl.dot(b_q, tl.trans(b_k))
+        b_qk = tl.where(
+            causal, b_qk * tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], 0.0)), 0.0
+        )
+        b_o = tl.dot(b_q.to(tl.float32) * tl.exp(b_gc)[:, None], b_S) + tl.dot(b_qk, b_vn)
+        m_tv = m_t[:, None] & m_v[None, :]
+        off = o_t[:, None] * (HV * VD) + i_h * VD + o_v[None, :]
+        if FUSE_NORM:  # gated RMSNorm, inline (see the NOTE in _scan_kernel)
+            b_z = tl.load(z + off, mask=m_tv, other=0.0).to(tl.float32)
+            b_r = tl.rsqrt(tl.sum(b_o * b_o, 1) / VD + eps)
+            b_o = b_o * b_r[:, None] * b_nw[None, :] * b_z / (1.0 + tl.exp(-b_z))
+        tl.store(o_buf + off, b_o.to(o_buf.dtype.element_ty), mask=m_tv)
+        b_kd = b_k.to(tl.float32) * tl.exp(b_gl - b_gc)[:, None]
+        b_S = b_S * tl.exp(b_gl) + tl.dot(tl.trans(b_kd), b_vn)
+    tl.store(p_s, b_S, mask=m_s)
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"deltanet_prefill: {msg}")
+
+
+def deltanet_prefill(
+    mixed_qkv: Tensor,
+    z: Tensor,
+    b: Tensor,
+    a: Tensor,
+    conv_weight: Tensor,
+    conv_state: Tensor,
+    A_log: Tensor,
+    dt_bias: Tensor,
+    norm_weight: Tensor,
+    state: Tensor,
+    eps: float = 1e-6,
+    *,
+    method: str = "chunk",
+    chunk_size: int = 64,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+) -> Tensor:
+    """Gated DeltaNet mixer over T tokens (MODEL.md), updating ``conv_state`` and ``state``.
+
+    mixed_qkv (T, C) the in_proj_qkv output q|k|v (C = 2*Hk*K + Hv*Vd); z (T, Hv*Vd); b, a
+    (T, Hv); conv_weight (C, W); conv_state (W-1, C); A_log, dt_bias (Hv,); norm_weight
+    (Vd,); state (Hv, K, Vd) fp32. ``method`` is "chunk" (matrix form, chunks of
+    ``chunk_size``) or "scan" (token by token). Returns (T, Hv*Vd) in mixed_qkv's dtype.
+    """
+    _check(method in ("chunk", "scan"), f"method must be 'chunk' or 'scan', got {method!r}")
+    _check(
+        state.dim() == 3 and state.dtype == torch.float32 and state.is_contiguous(),
+        f"state must be a contiguous fp32 (Hv, K, Vd) tensor, got {tuple(state.shape)} "
+        f"{state.dtype}",
+    )
+    hv, kd, vd = state.shape
+    _check(
+        mixed_qkv.dim() == 2 and mixed_qkv.is_contiguous(),
+        f"mixed_qkv must be a contiguous (T, C) tensor, got {tuple(mixed_qkv.shape)}",
+    )
+    t, c = mixed_qkv.shape
+    hk = (c - hv * vd) // (2 * kd)
+    _check(t > 0, "empty chunk (T = 0)")
+    _check(
+        hk > 0 and 2 * hk * kd + hv * vd == c and hv % hk == 0,
+        f"conv width C={c} is not 2*Hk*K + Hv*Vd with K={kd}, Hv={hv}, Vd={vd}",
+    )
+    _check(
+        conv_state.dim() == 2 and conv_state.shape[1] == c and conv_state.is_contiguous(),
+        f"conv_state must be contiguous (W-1, {c}), got {tuple(conv_state.shape)}",
+    )
+    width = conv_state.shape[0] + 1
+    _check(
+        conv_weight.shape == (c, width) and conv_weight.is_contiguous(),
+        f"conv_weight must be contiguous ({c}, {width}), got {tuple(conv_weight.shape)}",
+    )
+    for name, x, shape in (
+        ("z", z, (t, hv * vd)),
+        ("b", b, (t, hv)),
+        ("a", a, (t, hv)),
+        ("A_log", A_log, (hv,)),
+        ("dt_bias", dt_bias, (hv,)),
+        ("norm_weight", norm_weight, (vd,)),
+    ):
+        _check(
+            x.shape == shape and x.is_contiguous(),
+            f"{name} must be contiguous {shape}, got {tuple(x.shape)}",
+        )
+    tensors = (mixed_qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, norm_weight, state)
+    _check(all(x.device == state.device for x in tensors), "all tensors must be on one device")
+    _check(
+        chunk_size in (16, 32, 64, 128), f"chunk_size must be 16, 32, 64 or 128, got {chunk_size}"
+    )
+    dev = state.device
+    bk, bvd = triton.next_power_of_2(kd), triton.next_power_of_2(vd)
+
+    # 1. conv + norms + gates
+    bt_prep = 32
+    _check(width - 1 <= bt_prep, f"conv kernel {width} too wide")
+    y = torch.empty(t, c, dtype=mixed_qkv.dtype, device=dev)
+    g = torch.empty(t, hv, dtype=torch.float32, device=dev)
+    beta = torch.empty(t, hv, dtype=torch.float32, device=dev)
+    _prep_kernel[(triton.cdiv(t, bt_prep), 2 * hk + hv)](
+        mixed_qkv,
+        conv_weight,
+        conv_state,
+        b,
+        a,
+        A_log,
+        dt_bias,
+        y,
+        g,
+        beta,
+        t,
+        kd**-0.5,
+        HK=hk,
+        HV=hv,
+        K=kd,
+        VD=vd,
+        W=width,
+        BT=bt_prep,
+        BC=max(bk, bvd),
+        WP=triton.next_power_of_2(max(width - 1, 1)),
+        num_warps=4,
+    )
+
+    # 2. the recurrence (+ the norm when a program sees whole heads)
+    if block_v is None:
+        block_v = 16 if method == "scan" else 64
+    bv = min(triton.next_power_of_2(block_v), bvd)
+    nv = triton.cdiv(vd, bv)
+    fuse = nv == 1
+    out = torch.empty(t, hv * vd, dtype=mixed_qkv.dtype, device=dev)
+    o_buf = out if fuse else torch.empty(t, hv, vd, dtype=torch.float32, device=dev)
+    if method == "scan":
+        _scan_kernel[(nv, hv)](
+            y,
+            g,
+            beta,
+            state,
+            z,
+            norm_weight,
+            o_buf,
+            t,
+            eps,
+            HK=hk,
+            HV=hv,
+            K=kd,
+            VD=vd,
+            BK=bk,
+            BV=bv,
+            FUSE_NORM=fuse,
+            num_warps=num_warps or 4,
+        )
+    else:
+        w = torch.empty(t, hv, kd, dtype=mixed_qkv.dtype, device=dev)
+        u = torch.empty(t, hv, vd, dtype=mixed_qkv.dtype, device=dev)
+        _chunk_wy_kernel[(triton.cdiv(t, chunk_size), hv)](
+            y,
+            g,
+            beta,
+            w,
+            u,
+            t,
+            HK=hk,
+            HV=hv,
+            K=kd,
+            VD=vd,
+            BT=chunk_size,
+            BK=bk,
+            BVD=bvd,
+            num_warps=4,
+        )
+        _chunk_scan_kernel[(nv, hv)](
+            y,
+            g,
+            w,
+            u,
+            state,
+            z,
+            norm_weight,
+            o_buf,
+            t,
+            eps,
+            HK=hk,
+            HV=hv,
+            K=kd,
+            VD=vd,
+            BT=chunk_size,
+            BK=bk,
+            BV=bv,
+            FUSE_NORM=fuse,
+            num_warps=num_warps or (8 if bv * bk >= 128 * 128 else 4),
+        )
+    if not fuse:
+        out = gated_rmsnorm(o_buf, z, norm_weight, eps, mixed_qkv.dtype)
+    return out

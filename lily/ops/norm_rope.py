@@ -1,0 +1,151 @@
+"""Fused per-head norm and rotary helpers shared by the mixer kernels.
+
+Triton helpers (called from other kernels): ``rms_rope_rows`` (RMSNorm of head rows, then
+rotate-half RoPE on the first R dims), ``gated_rmsnorm_rows`` (DeltaNet's output norm) and
+small activations. One standalone kernel, ``gated_rmsnorm``, for the prefill paths that
+cannot fuse the norm into the scan. ``rope_inv_freq`` builds the frequency table the
+kernels take.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+Tensor = torch.Tensor
+
+
+def rope_inv_freq(
+    rotary_dim: int, theta: float, device: torch.device | str | None = None
+) -> Tensor:
+    """``theta^(-2i/R)`` for i < R/2, fp32 (R/2,), computed as the model's rotary embedding does."""
+    if rotary_dim <= 0 or rotary_dim % 2:
+        raise ValueError(
+            f"rope_inv_freq: rotary_dim must be a positive even number, got {rotary_dim}"
+        )
+    exps = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    return (1.0 / (theta**exps)).to(device=device, dtype=torch.float32)
+
+
+@triton.jit
+def sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def silu(x):
+    return x / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def rope_cos_sin(pos, freq):
+    """cos and sin of ``pos * freq`` (fp32 product, like the reference) with exact range reduction.
+
+    NOTE: Triton's fp32 sin/cos use the approximate hardware instructions, which are only
+    accurate near [-pi, pi]; angles reach 2.6e5 rad at long contexts, so reduce in fp64 first.
+    """
+    ang = pos.to(tl.float32) * freq
+    a64 = ang.to(tl.float64)
+    n = tl.floor(a64 * 0.15915494309189535 + 0.5)
+    # 2*pi = float32(2*pi) + remainder: n * hi is exact in fp64 (n < 2^17, hi has 24 bits).
+    r = ((a64 - n * 6.2831854820251465) - n * -1.7484556025237907e-07).to(tl.float32)
+    return tl.cos(r), tl.sin(r)
+
+
+@triton.jit
+def rms_rope_rows(
+    p_x,
+    row_off,
+    row_mask,
+    p_w,
+    p_f,
+    pos,
+    eps,
+    D: tl.constexpr,
+    R: tl.constexpr,
+    BD: tl.constexpr,
+):
+    """RMSNorm (weight = multiplier) then RoPE on the first R dims of rows of length D.
+
+    Row i lives at ``p_x + row_off[i]`` (contiguous D values) at position ``pos[i]``; returns
+    the (BR, BD) fp32 block. The rotate-half partner of a column is loaded again from memory
+    (normalised with its own weight) rather than shuffled in registers.
+    """
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    b_x = tl.load(
+        p_x + row_off[:, None] + o_d[None, :], mask=row_mask[:, None] & m_d[None, :], other=0.0
+    ).to(tl.float32)
+    b_r = tl.rsqrt(tl.sum(b_x * b_x, 1) / D + eps)
+    b_w = tl.load(p_w + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_y = b_x * b_r[:, None] * b_w[None, :]
+    if R > 0:
+        HALF: tl.constexpr = R // 2
+        m_rot = o_d < R
+        o_p = tl.where(o_d < HALF, o_d + HALF, o_d - HALF)
+        b_xp = tl.load(
+            p_x + row_off[:, None] + o_p[None, :],
+            mask=row_mask[:, None] & m_rot[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        b_wp = tl.load(p_w + o_p, mask=m_rot, other=0.0).to(tl.float32)
+        b_yp = b_xp * b_r[:, None] * b_wp[None, :]
+        b_f = tl.load(p_f + o_d % HALF, mask=m_rot, other=0.0)
+        b_cos, b_sin = rope_cos_sin(pos[:, None], b_f[None, :])
+        b_sign = tl.where(o_d < HALF, -1.0, 1.0)
+        b_y = tl.where(m_rot[None, :], b_y * b_cos + b_sign[None, :] * b_yp * b_sin, b_y)
+    return b_y
+
+
+@triton.jit
+def gated_rmsnorm_rows(b_o, b_z, b_w, eps, VD: tl.constexpr):
+    """``rmsnorm(o) * w * silu(z)`` per row of a (rows, BV) fp32 block (padding must be 0)."""
+    b_r = tl.rsqrt(tl.sum(b_o * b_o, 1) / VD + eps)
+    return b_o * b_r[:, None] * b_w[None, :] * silu(b_z)
+
+
+@triton.jit
+def _gated_rmsnorm_kernel(
+    o,
+    z,
+    w,
+    out,
+    n_rows,
+    eps,
+    VD: tl.constexpr,
+    BR: tl.constexpr,
+    BV: tl.constexpr,
+):
+    i_r = tl.program_id(0)
+    o_r = i_r * BR + tl.arange(0, BR)
+    o_v = tl.arange(0, BV)
+    m = (o_r < n_rows)[:, None] & (o_v < VD)[None, :]
+    off = o_r[:, None] * VD + o_v[None, :]
+    b_o = tl.load(o + off, mask=m, other=0.0).to(tl.float32)
+    b_z = tl.load(z + off, mask=m, other=0.0).to(tl.float32)
+    b_w = tl.load(w + o_v, mask=o_v < VD, other=0.0).to(tl.float32)
+    b_y = gated_rmsnorm_rows(b_o, b_z, b_w, eps, VD)
+    tl.store(out + off, b_y.to(out.dtype.element_ty), mask=m)
+
+
+def gated_rmsnorm(
+    o: Tensor, z: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype
+) -> Tensor:
+    """``rmsnorm(o) * weight * silu(z)`` per head: o (T, Hv, Vd), z (T, Hv*Vd) -> (T, Hv*Vd)."""
+    t, hv, vd = o.shape
+    if z.shape != (t, hv * vd) or weight.shape != (vd,):
+        raise ValueError(
+            f"gated_rmsnorm: z must be ({t}, {hv * vd}) and weight ({vd},), "
+            f"got {tuple(z.shape)} and {tuple(weight.shape)}"
+        )
+    if not (o.is_contiguous() and z.is_contiguous() and weight.is_contiguous()):
+        raise ValueError("gated_rmsnorm: o, z and weight must be contiguous")
+    out = torch.empty(t, hv * vd, dtype=out_dtype, device=o.device)
+    n_rows = t * hv
+    bv = triton.next_power_of_2(vd)
+    br = max(1, min(16, 4096 // bv))
+    _gated_rmsnorm_kernel[(triton.cdiv(n_rows, br),)](
+        o, z, weight, out, n_rows, eps, VD=vd, BR=br, BV=bv, num_warps=4
+    )
+    return out

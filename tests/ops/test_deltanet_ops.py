@@ -1,0 +1,366 @@
+"""Gated DeltaNet kernels (decode step, prefill token scan, prefill chunked scan) against the
+plain fp32 reference in lily.ops.ref_mixer.
+
+On a machine without CUDA the Triton kernels run under TRITON_INTERPRET=1 on small odd
+shapes (Hk=2, Hv=4, K=32, Vd=48: not powers of two, so every mask is exercised); with CUDA
+they run compiled on the GPU. Outputs the kernels must write are NaN-poisoned. Error bounds
+(relative L2): fp32 inputs 1e-5 (rounding only); bf16 inputs 1.5e-2 (bf16 storage of q, k,
+v, the output and, in the chunked form, of w and u and tensor-core products).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from lily.ops import (  # noqa: E402
+    attention_decode,
+    attention_prefill,
+    deltanet_decode,
+    deltanet_prefill,
+    norm_rope,
+)
+from lily.ops.ref_mixer import ref_deltanet  # noqa: E402
+
+DEVICES = [DEVICE]
+
+
+def fix_triton_interpreter() -> None:
+    """Work around three Triton 3.6 interpreter defects (the GPU compiler is not affected):
+    loop bounds that are kernel arguments fail with NumPy >= 2 (size-1 arrays lose
+    ``__index__``); ``tl.dot`` multiplies bf16 operands as their raw uint16 bits; and
+    fp32 -> bf16 casts truncate where the GPU rounds to nearest even."""
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    if getattr(interp, "_lily_fixed", False):
+        return
+    patch_tensor = interp._patch_lang_tensor
+
+    def patched_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    def bf16_to_f32(h):
+        if h.dtype == tl.bfloat16:
+            return interp.TensorHandle(
+                (h.data.astype(np.uint32) << 16).view(np.float32), tl.float32
+            )
+        return h
+
+    create_dot = interp.InterpreterBuilder.create_dot
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(
+            self, bf16_to_f32(a), bf16_to_f32(b), d, input_precision, max_num_imprecise_acc
+        )
+
+    cast_impl = interp.InterpreterBuilder.cast_impl
+
+    def cast(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32)
+            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            rounded = np.where(np.isnan(src.data), 0x7FC0, rounded).astype(np.uint16)
+            return interp.TensorHandle(rounded, tl.bfloat16)
+        return cast_impl(self, src, dst_type)
+
+    interp._patch_lang_tensor = patched_tensor
+    interp.InterpreterBuilder.create_dot = dot
+    interp.InterpreterBuilder.cast_impl = cast
+    interp._lily_fixed = True
+
+
+def ops_modules():
+    """The ops modules, their kernels built for this machine: reloaded under the interpreter
+    if something imported them before TRITON_INTERPRET was set."""
+    mods = [norm_rope, deltanet_decode, deltanet_prefill, attention_decode, attention_prefill]
+    if DEVICE == "cpu":
+        fix_triton_interpreter()
+        if not isinstance(deltanet_decode._deltanet_decode_kernel, InterpretedFunction):
+            mods = [importlib.reload(m) for m in mods]
+    return dict(
+        zip(
+            ("norm_rope", "dn_decode", "dn_prefill", "attn_decode", "attn_prefill"),
+            mods,
+            strict=True,
+        )
+    )
+
+
+OPS = ops_modules()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    assert torch.isfinite(a).all(), "non-finite values (an unwritten output?)"
+    return ((a - b).norm() / b.norm()).item()
+
+
+def make_inputs(t, hk=2, hv=4, kd=32, vd=48, width=4, dtype=torch.bfloat16, device=DEVICE, seed=0):
+    """Random inputs of one DeltaNet layer for T tokens, in realistic ranges."""
+    gen = torch.Generator().manual_seed(seed)
+    c = 2 * hk * kd + hv * vd
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+    d = dict(
+        mixed_qkv=rnd(t, c),
+        z=rnd(t, hv * vd),
+        b=rnd(t, hv),
+        a=rnd(t, hv),
+        conv_weight=rnd(c, width, scale=0.5),
+        conv_state=rnd(width - 1, c),
+        A_log=torch.randn(hv, generator=gen) * 0.5,
+        dt_bias=torch.randn(hv, generator=gen),
+        norm_weight=(torch.rand(vd, generator=gen) + 0.5).to(dtype),
+        state=torch.randn(hv, kd, vd, generator=gen) * 0.3,
+    )
+    return {k: v.to(device) for k, v in d.items()}
+
+
+def reference(d, eps=1e-6):
+    cpu = {k: v.cpu() for k, v in d.items()}
+    return ref_deltanet(
+        cpu["mixed_qkv"],
+        cpu["z"],
+        cpu["b"],
+        cpu["a"],
+        cpu["conv_weight"],
+        cpu["conv_state"],
+        cpu["A_log"],
+        cpu["dt_bias"],
+        cpu["norm_weight"],
+        cpu["state"],
+        eps,
+    )
+
+
+def run_prefill(d, method, **kw):
+    """The kernel on copies of the states; returns (out, conv_state, state)."""
+    cs, st = d["conv_state"].clone(), d["state"].clone()
+    out = OPS["dn_prefill"].deltanet_prefill(
+        d["mixed_qkv"],
+        d["z"],
+        d["b"],
+        d["a"],
+        d["conv_weight"],
+        cs,
+        d["A_log"],
+        d["dt_bias"],
+        d["norm_weight"],
+        st,
+        1e-6,
+        method=method,
+        **kw,
+    )
+    return out, cs, st
+
+
+def run_decode(d, t, cs, st, **kw):
+    return OPS["dn_decode"].deltanet_decode(
+        d["mixed_qkv"][t],
+        d["z"][t],
+        d["b"][t],
+        d["a"][t],
+        d["conv_weight"],
+        cs,
+        d["A_log"],
+        d["dt_bias"],
+        d["norm_weight"],
+        st,
+        1e-6,
+        **kw,
+    )
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "heads,block_v,dtype,bound",
+    [
+        ((2, 4), 16, torch.bfloat16, 1e-2),  # 3 Vd blocks: last-arrival norm and conv state
+        ((2, 4), 64, torch.bfloat16, 1e-2),  # one block per head: norm fused directly
+        ((4, 4), 64, torch.float32, 1e-5),  # G = 1 and one block: no counters at all
+    ],
+    ids=["split-bf16", "whole-bf16", "g1-fp32"],
+)
+def test_decode_step_matches_reference(device, heads, block_v, dtype, bound):
+    hk, hv = heads
+    d = make_inputs(1, hk=hk, hv=hv, dtype=dtype, device=device, seed=1)
+    ref_out, ref_cs, ref_st = reference(d)
+    cs, st = d["conv_state"].clone(), d["state"].clone()
+    ws = OPS["dn_decode"].DeltaNetDecodeWorkspace.new(hk, hv, 48, device)
+    ws.o_buf.fill_(float("nan"))
+    out = run_decode(d, 0, cs, st, block_v=block_v, workspace=ws)
+    assert out.shape == (hv * 48,) and out.dtype == dtype
+    assert rel(out, ref_out[0]) < bound
+    assert rel(st, ref_st) < 1e-5  # fp32 maths on the same (exact) inputs
+    assert torch.equal(cs.cpu().float(), ref_cs.to(dtype).float())
+    assert (ws.counters == 0).all(), "counters must reset for the next launch"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_steps_match_one_shot_reference(device):
+    """12 chained decode steps (states carried in place) equal the reference over 12 tokens."""
+    t = 12
+    d = make_inputs(t, device=device, seed=2)
+    ref_out, ref_cs, ref_st = reference(d)
+    cs, st = d["conv_state"].clone(), d["state"].clone()
+    outs = [run_decode(d, i, cs, st, block_v=16) for i in range(t)]
+    assert rel(torch.stack(outs), ref_out) < 1e-2
+    assert rel(st, ref_st) < 1e-5
+    assert torch.equal(cs.cpu().float(), ref_cs.to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("method", ["scan", "chunk"])
+def test_decode_equals_one_token_of_prefill(device, method):
+    d = make_inputs(1, dtype=torch.float32, device=device, seed=3)
+    out_p, cs_p, st_p = run_prefill(d, method, chunk_size=16)
+    cs, st = d["conv_state"].clone(), d["state"].clone()
+    out_d = run_decode(d, 0, cs, st)
+    assert rel(out_d, out_p[0]) < 1e-5
+    assert rel(st, st_p) < 1e-5
+    assert torch.equal(cs, cs_p)
+
+
+def test_decode_rejects_bad_shapes():
+    d = make_inputs(1, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="state must be a contiguous fp32"):
+        OPS["dn_decode"].deltanet_decode(
+            d["mixed_qkv"][0],
+            d["z"][0],
+            d["b"][0],
+            d["a"][0],
+            d["conv_weight"],
+            d["conv_state"],
+            d["A_log"],
+            d["dt_bias"],
+            d["norm_weight"],
+            d["state"].half(),
+        )
+    with pytest.raises(ValueError, match="one token expected"):
+        OPS["dn_decode"].deltanet_decode(
+            d["mixed_qkv"].expand(2, -1),
+            d["z"][0],
+            d["b"][0],
+            d["a"][0],
+            d["conv_weight"],
+            d["conv_state"],
+            d["A_log"],
+            d["dt_bias"],
+            d["norm_weight"],
+            d["state"],
+        )
+    with pytest.raises(ValueError, match="conv width C=.* is not 2\\*Hk\\*K"):
+        OPS["dn_decode"].deltanet_decode(
+            d["mixed_qkv"][0],
+            d["z"][0],
+            d["b"][0],
+            d["a"][0],
+            d["conv_weight"],
+            d["conv_state"][:, :-1].contiguous(),
+            d["A_log"],
+            d["dt_bias"],
+            d["norm_weight"],
+            d["state"],
+        )
+
+
+# ----------------------------------------------------------------------------- prefill
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "method,chunk_size,block_v",
+    [("scan", 64, 16), ("scan", 64, 64), ("chunk", 16, 16), ("chunk", 64, 64)],
+    ids=["scan-split-norm", "scan-fused-norm", "chunk16-split-norm", "chunk64-fused-norm"],
+)
+def test_prefill_matches_reference(device, method, chunk_size, block_v):
+    d = make_inputs(37, device=device, seed=4)
+    ref_out, ref_cs, ref_st = reference(d)
+    out, cs, st = run_prefill(d, method, chunk_size=chunk_size, block_v=block_v)
+    assert out.shape == (37, 4 * 48) and out.dtype == torch.bfloat16
+    assert rel(out, ref_out) < 1.5e-2
+    assert rel(st, ref_st) < 1.5e-2
+    assert torch.equal(cs.cpu().float(), ref_cs.to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_chunked_form_equals_token_scan(device):
+    """Same function, two algorithms: in fp32 they agree to rounding (3 chunks of 16)."""
+    d = make_inputs(37, dtype=torch.float32, device=device, seed=5)
+    out_s, _, st_s = run_prefill(d, "scan", block_v=16)
+    out_c, _, st_c = run_prefill(d, "chunk", chunk_size=16, block_v=64)
+    tol = 1e-5 if device == "cpu" else 5e-3  # tensor cores take fp32 products as tf32
+    assert rel(out_c, out_s) < tol
+    assert rel(st_c, st_s) < tol
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("split", [(20, 17), (2, 35)], ids=["20+17", "2+35"])
+def test_prefill_after_earlier_chunks_equals_one_shot(device, split):
+    """Chunks carry the conv and recurrent state; T=2 < W-1 mixes old state into the new."""
+    d = make_inputs(37, device=device, seed=6)
+    ref_out, ref_cs, ref_st = reference(d)
+    cs, st = d["conv_state"].clone(), d["state"].clone()
+    outs, s = [], 0
+    for n in split:
+        part = {k: (v[s : s + n] if k in ("mixed_qkv", "z", "b", "a") else v) for k, v in d.items()}
+        part["conv_state"], part["state"] = cs, st
+        outs.append(
+            OPS["dn_prefill"].deltanet_prefill(
+                part["mixed_qkv"],
+                part["z"],
+                part["b"],
+                part["a"],
+                d["conv_weight"],
+                cs,
+                d["A_log"],
+                d["dt_bias"],
+                d["norm_weight"],
+                st,
+                1e-6,
+                method="chunk",
+                chunk_size=16,
+            )
+        )
+        s += n
+    assert rel(torch.cat(outs), ref_out) < 1.5e-2
+    assert rel(st, ref_st) < 1.5e-2
+    assert torch.equal(cs.cpu().float(), ref_cs.to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("method", ["scan", "chunk"])
+def test_long_recurrence_bf16_against_fp32(device, method):
+    """300 tokens in bf16 (5 chunks of 64) stay within bf16 error of the fp32 recurrence."""
+    d = make_inputs(300, device=device, seed=7)
+    ref_out, _, ref_st = reference(d)
+    out, _, st = run_prefill(d, method, block_v=64)
+    assert rel(out, ref_out) < 2e-2
+    assert rel(st, ref_st) < 2e-2
+
+
+def test_prefill_rejects_bad_input():
+    d = make_inputs(3, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="method must be"):
+        run_prefill(d, "fast")
+    with pytest.raises(ValueError, match="z must be contiguous"):
+        run_prefill({**d, "z": d["z"][:2]}, "scan")
+    with pytest.raises(ValueError, match="chunk_size must be"):
+        run_prefill(d, "chunk", chunk_size=48)
