@@ -25,7 +25,8 @@ except ImportError:  # pragma: no cover - reported as a 400 when a request needs
 # cannot wander off into blank space.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # A string parameter value runs until the first "\n</parameter>", which ends the lexeme.
-_STRING_VALUE = r"/(?s:.*)\n<\/parameter>/ & ~/(?s:.*)<\/parameter>(?s:.+)/"
+_STRING_TOKEN = r"STRING_VALUE: /(?s:.*)\n<\/parameter>/ & ~/(?s:.*)<\/parameter>(?s:.+)/"
+_STRING_VALUE = "STRING_VALUE"
 
 
 class _Vocab:
@@ -141,6 +142,7 @@ def tool_grammar(tools: list[dict[str, Any]], name: str | None, after_think: boo
         ("start: /\\n{0,2}/ " if after_think else "start: ") + calls,
         'call: "<tool_call>\\n" (' + " | ".join(fn_alts) + ') "\\n</tool_call>"',
         *rules,
+        _STRING_TOKEN,
     ]
     return llg.LLMatcher.grammar_from_lark("\n".join(lines) + "\n")
 

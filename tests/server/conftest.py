@@ -1,0 +1,126 @@
+"""Live ``lily serve`` processes on a tiny random checkpoint, shared by the server tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+KEYS = ("key-one", "key-two")
+MAX_CONTEXT = 1024  # tool prompts take ~650 tokens of the tiny tokenizer
+SLOW_CONTEXT = 96  # small, so "the rest of the context" is cheap to generate on CPU
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server subprocess; ``url`` once it answers."""
+
+    def __init__(self, argv: list[str], log: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self._out = open(log, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, *argv, "--port", str(self.port)],
+            cwd=ROOT, env=env, stdout=self._out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+    def health_history(self, timeout: float = 180.0) -> list[int]:
+        """Poll /health until 200; return the status codes seen."""
+        seen: list[int] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.log.read_text()[-3000:]}")
+            try:
+                code = httpx.get(self.url + "/health", timeout=2).status_code
+            except httpx.TransportError:
+                time.sleep(0.05)
+                continue
+            seen.append(code)
+            if code == 200:
+                return seen
+            time.sleep(0.05)
+        raise TimeoutError(f"server not ready: {self.log.read_text()[-3000:]}")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._out.close()
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    from lily.checkpoint import TINY_TEXT_CONFIG, write_random_checkpoint
+
+    d = tmp_path_factory.mktemp("serve_model") / "tiny-model"
+    write_random_checkpoint(d, TINY_TEXT_CONFIG, "mlx4", seed=0, progress=False)
+    return d
+
+
+@pytest.fixture(scope="session")
+def server(model_dir, tmp_path_factory):
+    """The main server: two API keys, CORS for one origin, a small context window."""
+    log = tmp_path_factory.mktemp("logs") / "main.log"
+    argv = ["-m", "lily.cli", "serve", "--model", str(model_dir),
+            "--max-context", str(MAX_CONTEXT), "--served-model-name", "tiny", "tiny-alias",
+            "--cors-origins", "http://allowed.test"]  # fmt: skip
+    for k in KEYS:
+        argv += ["--api-key", k]
+    s = Server(argv, log)
+    try:
+        s.health_history()
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="session")
+def slow_server(model_dir, tmp_path_factory):
+    """Steps slowed to 0.15 s, queue of one, a fault on seed 666, a held model load."""
+    log = tmp_path_factory.mktemp("logs") / "slow.log"
+    argv = [str(ROOT / "tests/server/launch.py"), "--step-delay", "0.15", "--fault-seed", "666",
+            "--load-delay", "2", "serve", "--model", str(model_dir), "--max-context",
+            str(SLOW_CONTEXT),
+            "--queue-size", "1", "--keepalive", "0.3"]  # fmt: skip
+    s = Server(argv, log)
+    try:
+        s.seen_while_loading = s.health_history()
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key=KEYS[1], max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(
+        base_url=server.url, headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=120
+    ) as c:
+        yield c

@@ -1,0 +1,55 @@
+"""Run ``lily serve`` with test hooks around the real engine.
+
+    python tests/server/launch.py [--step-delay S] [--fault-seed N] [--load-delay S] serve ...
+
+``--step-delay`` sleeps after every engine step (so cancellation and queueing can be
+observed on a fast tiny model); a request with ``seed == --fault-seed`` makes the engine
+raise after two steps; ``--load-delay`` holds the model load so /health is seen loading.
+"""
+
+import argparse
+import sys
+import time
+
+from lily.cli import build_parser, load_engine
+from lily.server.app import run_server
+
+
+class HookedEngine:
+    """The real engine, slowed down per step and faulting on demand."""
+
+    def __init__(self, engine, delay: float, fault_seed: int | None) -> None:
+        self._engine = engine
+        self._delay = delay
+        self._fault_seed = fault_seed
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def generate(self, prompt_ids, params, cancelled=lambda: False, logits_processor=None):
+        for i, step in enumerate(
+            self._engine.generate(prompt_ids, params, cancelled, logits_processor)
+        ):
+            if self._fault_seed is not None and params.seed == self._fault_seed and i == 2:
+                raise RuntimeError("injected engine fault")
+            yield step
+            time.sleep(self._delay)
+
+
+def main() -> None:
+    hooks = argparse.ArgumentParser(add_help=False)
+    hooks.add_argument("--step-delay", type=float, default=0.0)
+    hooks.add_argument("--fault-seed", type=int, default=None)
+    hooks.add_argument("--load-delay", type=float, default=0.0)
+    h, rest = hooks.parse_known_args()
+    args = build_parser().parse_args(rest)
+
+    def load():
+        time.sleep(h.load_delay)
+        return HookedEngine(load_engine(args), h.step_delay, h.fault_seed)
+
+    sys.exit(run_server(args, load_engine=load))
+
+
+if __name__ == "__main__":
+    main()
