@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from lily.config import ModelConfig
@@ -133,11 +134,14 @@ def _random_float(key: str, shape: tuple[int, ...], layout: Layout, g: torch.Gen
     return t.normal_(0.0, 0.02, generator=g)
 
 
-def _random_quant(shapes: list[tuple[int, ...]], dtype: torch.dtype, g: torch.Generator):
+def _random_quant(
+    shapes: list[tuple[int, ...]], dtype: torch.dtype, g: torch.Generator, rng: np.random.Generator
+):
     """Random codes with scales and biases so that w = s*q + b is about normal(0, 0.02)."""
     wshape, sshape = shapes[0], shapes[1]
     bits = wshape[-1] * 32 // (sshape[-1] * _GROUP)
-    words = torch.empty(wshape, dtype=torch.int32).random_(-(2**31), 2**31, generator=g)
+    # numpy draws uint32 words about twice as fast as torch's random_
+    words = torch.from_numpy(rng.integers(0, 2**32, size=wshape, dtype=np.uint32).view(np.int32))
     levels = 2**bits
     # uniform codes on 0..levels-1 have standard deviation sqrt((levels^2 - 1) / 12)
     step = 0.02 / math.sqrt((levels * levels - 1) / 12)
@@ -161,10 +165,10 @@ def _tensors(
     specs = [(k, st_dtype(k, kind), tuple(s)) for grp in groups for k, s, kind in grp]
 
     def values() -> Iterator[list[torch.Tensor]]:
-        g = torch.Generator().manual_seed(seed)
+        g, rng = torch.Generator().manual_seed(seed), np.random.default_rng(seed)
         for grp in groups:
             if grp[0][2] == "U32":
-                yield _random_quant([s for _, s, _ in grp], dtype, g)
+                yield _random_quant([s for _, s, _ in grp], dtype, g, rng)
             else:
                 yield [
                     _random_float(k, s, layout, g).to(
@@ -222,7 +226,7 @@ def _write_shards(out: Path, specs, values, shard_bytes: int, progress: bool) ->
                     pending = list(next(values))
                 t = pending.pop(0)
                 assert tuple(t.shape) == shape and _ST_DTYPES[t.dtype] == st, key
-                f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
+                f.write(memoryview(t.contiguous().view(torch.uint8).numpy()))
                 if bar is not None:
                     bar.update(t.numel() * t.element_size())
     if bar is not None:
