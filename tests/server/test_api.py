@@ -16,6 +16,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tests.server.conftest import MAX_CONTEXT
 
 MSGS = [{"role": "user", "content": "Say something."}]
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 def prompt_len(model_dir, messages, enable_thinking=True, tools=None) -> int:
@@ -56,7 +57,7 @@ def test_chat_non_stream_usage_and_shape(client, model_dir):
 
 def test_stream_equals_non_stream(client):
     kw = dict(model="tiny", messages=MSGS, max_tokens=8, seed=7, temperature=1.0,
-              extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}})  # fmt: skip
+              extra_body={"ignore_eos": True, **NO_THINK})  # fmt: skip
     full = client.chat.completions.create(**kw)
     chunks = list(
         client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
@@ -158,7 +159,6 @@ TOOL = {
 }
 PING = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object",
         "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}}  # fmt: skip
-NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 def test_tool_choice_required_non_stream(client):

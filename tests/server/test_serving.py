@@ -86,7 +86,7 @@ def test_full_queue_gives_429_with_retry_after(slow):
 
 def test_keepalive_comments_while_queued(slow):
     body = {"messages": MSGS, "max_tokens": 12, "ignore_eos": True, "stream": True}
-    first = slow.stream("POST", "/v1/chat/completions", json=body).__enter__()
+    first = slow.send(slow.build_request("POST", "/v1/chat/completions", json=body), stream=True)
     try:
         next(first.iter_lines())
         with slow.stream("POST", "/v1/chat/completions", json={**body, "max_tokens": 1}) as r:
