@@ -46,6 +46,7 @@ def _attn_decode_kernel(
     sm_scale,
     T_MAX,
     NB,
+    split,
     H: tl.constexpr,
     HKV: tl.constexpr,
     DH: tl.constexpr,
@@ -53,15 +54,15 @@ def _attn_decode_kernel(
     GP: tl.constexpr,
     BD: tl.constexpr,
     BN: tl.constexpr,
-    SPLIT: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
 ):
     i_kvh, i_s = tl.program_id(0), tl.program_id(1)
     G: tl.constexpr = H // HKV
     pos = tl.load(p_pos).to(tl.int32)
     L = pos + 1
-    if SPLIT > 0:
-        n_lo = i_s * SPLIT
-        n_hi = tl.minimum(n_lo + SPLIT, L)
+    if IS_SPLIT:
+        n_lo = i_s * split
+        n_hi = tl.minimum(n_lo + split, L)
     else:
         n_lo = 0
         n_hi = L
@@ -123,7 +124,7 @@ def _attn_decode_kernel(
             b_m = b_mn
         b_o = b_acc / b_l[:, None]
         m_rd = m_r[:, None] & m_d[None, :]
-        if SPLIT > 0:
+        if IS_SPLIT:
             i_p = (i_kvh * NB + i_s) * G + o_r
             tl.store(o_part + i_p[:, None] * DH + o_d[None, :], b_o, mask=m_rd)
             tl.store(lse_part + i_p, b_m + tl.log2(b_l), mask=m_r)
@@ -147,17 +148,17 @@ def _combine_kernel(
     lse_part,
     out,
     NB,
+    split,
     H: tl.constexpr,
     HKV: tl.constexpr,
     DH: tl.constexpr,
-    SPLIT: tl.constexpr,
     BB: tl.constexpr,
     BD: tl.constexpr,
 ):
     i_h = tl.program_id(0)
     G: tl.constexpr = H // HKV
     i_kvh, i_g = i_h // G, i_h % G
-    n_blocks = tl.cdiv(tl.load(p_pos).to(tl.int32) + 1, SPLIT)
+    n_blocks = tl.cdiv(tl.load(p_pos).to(tl.int32) + 1, split)
     o_d = tl.arange(0, BD)
     m_d = o_d < DH
     # running max over the blocks' log-sum-exps (base 2); the first block is always valid
@@ -294,6 +295,7 @@ def attention_decode(
         sm_scale,
         t_max,
         nb,
+        split,
         H=h,
         HKV=hkv,
         DH=dh,
@@ -301,7 +303,7 @@ def attention_decode(
         GP=gp,
         BD=triton.next_power_of_2(dh),
         BN=block_n,
-        SPLIT=split,
+        IS_SPLIT=split > 0,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -313,10 +315,10 @@ def attention_decode(
             lse_part,
             out,
             nb,
+            split,
             H=h,
             HKV=hkv,
             DH=dh,
-            SPLIT=split,
             BB=16,
             BD=triton.next_power_of_2(dh),
             num_warps=4,

@@ -415,7 +415,8 @@ def deltanet_prefill(
     # 2. the recurrence (+ the norm when a program sees whole heads)
     if block_v is None:
         block_v = 16 if method == "scan" else 64
-    bv = min(triton.next_power_of_2(block_v), bvd)
+    # tl.dot needs 16 columns at least (chunk form); the token scan takes any block
+    bv = min(max(triton.next_power_of_2(block_v), 16 if method == "chunk" else 1), bvd)
     nv = triton.cdiv(vd, bv)
     fuse = nv == 1
     out = torch.empty(t, hv * vd, dtype=mixed_qkv.dtype, device=dev)

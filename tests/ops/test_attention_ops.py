@@ -1,0 +1,270 @@
+"""Gated attention kernels (decode plain and split-KV, prefill flash) against the plain fp32
+reference in lily.ops.ref_mixer.
+
+Small shapes under the Triton interpreter (4 query heads over 2 KV heads, Dh 64 with 16
+rotary dims, cache lengths 1, 5, 77, split blocks of 16), compiled on CUDA when present.
+Cache rows nobody has written are NaN, as is every buffer the launchers allocate, so a read
+past the valid length or an unwritten output fails. Bounds (relative L2): fp32 1e-5
+(5e-3 on a GPU, whose tensor cores take fp32 products as tf32);
+bf16 2e-2 (q and the softmax weights enter the tensor-core products as bf16, the output and
+the cached K are rounded to bf16).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+try:  # tests/ops may or may not be a package
+    from .test_deltanet_ops import DEVICE, DOT_F32_TOL, OPS, nan_poisoned_empty, rel  # noqa: F401
+except ImportError:
+    from test_deltanet_ops import DEVICE, DOT_F32_TOL, OPS, nan_poisoned_empty, rel  # noqa: F401
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from lily.ops.ref_mixer import ref_attention, ref_rmsnorm, ref_rope  # noqa: E402
+
+DEVICES = [DEVICE]
+THETA = 1e7
+rms_rope_rows = OPS["norm_rope"].rms_rope_rows
+
+
+def make_inputs(t, t_max, h=4, hkv=2, dh=64, dtype=torch.bfloat16, device=DEVICE, seed=0):
+    """Projections of T tokens, norm weights, and caches of T_max rows all NaN."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype).to(device)
+
+    d = dict(
+        qg=rnd(t, h * 2 * dh),
+        k=rnd(t, hkv * dh),
+        v=rnd(t, hkv * dh),
+        q_norm=(torch.rand(dh, generator=gen) + 0.5).to(dtype).to(device),
+        k_norm=(torch.rand(dh, generator=gen) + 0.5).to(dtype).to(device),
+        k_cache=torch.full((hkv, t_max, dh), float("nan"), dtype=dtype, device=device),
+    )
+    d["v_cache"] = d["k_cache"].clone()
+    return d
+
+
+def reference(d, start, rows, r=16):
+    """One-shot reference for tokens ``rows`` at positions start.., on the caches of d."""
+    c = {k: v.cpu() for k, v in d.items()}
+    return ref_attention(
+        c["qg"][rows],
+        c["k"][rows],
+        c["v"][rows],
+        c["q_norm"],
+        c["k_norm"],
+        c["k_cache"],
+        c["v_cache"],
+        start,
+        r,
+        THETA,
+    )
+
+
+def inv_freq(r=16, device=DEVICE):
+    return OPS["norm_rope"].rope_inv_freq(r, THETA, device)
+
+
+def prefill(d, start, rows, **kw):
+    return OPS["attn_prefill"].attention_prefill(
+        d["qg"][rows],
+        d["k"][rows],
+        d["v"][rows],
+        d["q_norm"],
+        d["k_norm"],
+        d["k_cache"],
+        d["v_cache"],
+        start,
+        inv_freq(device=d["qg"].device),
+        **kw,
+    )
+
+
+def decode(d, i, pos, **kw):
+    pos_t = torch.tensor([pos], dtype=torch.int32, device=d["qg"].device)
+    return OPS["attn_decode"].attention_decode(
+        d["qg"][i],
+        d["k"][i],
+        d["v"][i],
+        d["q_norm"],
+        d["k_norm"],
+        d["k_cache"],
+        d["v_cache"],
+        pos_t,
+        inv_freq(device=d["qg"].device),
+        **kw,
+    )
+
+
+def fill_cache(d, n, seed=1):
+    """Rows [0, n) of the caches hold earlier tokens (random); the rest stays NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    for name in ("k_cache", "v_cache"):
+        rows = torch.randn(d[name].shape[0], n, d[name].shape[2], generator=gen)
+        d[name][:, :n] = rows.to(d[name].dtype).to(d[name].device)
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("length", [1, 5, 77])
+@pytest.mark.parametrize("split", [0, 16], ids=["plain", "split16"])
+def test_decode_matches_reference(device, length, split):
+    d = make_inputs(1, 96, device=device, seed=length)
+    fill_cache(d, length - 1)
+    ref_out, ref_k, ref_v = reference(d, length - 1, slice(0, 1))
+    out = decode(d, 0, length - 1, split=split, block_n=16)
+    assert out.shape == (4 * 64,) and out.dtype == torch.bfloat16
+    assert rel(out, ref_out[0]) < 2e-2
+    # the new row went in at pos (rounding of K in bf16 may differ by one unit)
+    assert rel(d["k_cache"][:, :length], ref_k[:, :length]) < 2e-3
+    assert torch.equal(d["v_cache"][:, :length].cpu(), ref_v[:, :length])
+    assert d["k_cache"][:, length:].isnan().all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_group_of_8_fp32_plain_and_split_agree(device):
+    """The real GQA group (8 query heads per KV head); 300 rows = 19 split blocks, more
+    than the combine kernel takes per step."""
+    d = make_inputs(1, 320, h=16, dtype=torch.float32, device=device, seed=3)
+    fill_cache(d, 299)
+    ref_out, _, _ = reference(d, 299, slice(0, 1))
+    out_split = decode(d, 0, 299, split=16, block_n=16)
+    out_plain = decode(d, 0, 299, split=0, block_n=64)  # rewrites the same row
+    assert rel(out_split, ref_out[0]) < DOT_F32_TOL
+    assert rel(out_plain, ref_out[0]) < DOT_F32_TOL
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_equals_one_token_of_prefill(device):
+    d = make_inputs(31, 48, dtype=torch.float32, device=device, seed=4)
+    prefill(d, 0, slice(0, 30), block_m=16, block_n=16)
+    k_before, v_before = d["k_cache"].clone(), d["v_cache"].clone()
+    out_p = prefill(d, 30, slice(30, 31), block_m=16, block_n=16)
+    k_p = d["k_cache"].clone()
+    d["k_cache"].copy_(k_before)
+    d["v_cache"].copy_(v_before)
+    out_d = decode(d, 30, 30, split=0)
+    assert rel(out_d, out_p[0]) < DOT_F32_TOL
+    assert rel(d["k_cache"][:, :31], k_p[:, :31]) < 1e-6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_then_decode_steps_match_one_shot(device):
+    """A 30-token prefill then 3 decode steps (split-KV) equal the reference over 33 tokens."""
+    d = make_inputs(33, 64, device=device, seed=5)
+    ref_out, _, _ = reference(d, 0, slice(0, 33))
+    outs = [prefill(d, 0, slice(0, 30), block_m=16, block_n=16)]
+    outs += [decode(d, i, i, split=16, block_n=16)[None] for i in range(30, 33)]
+    assert rel(torch.cat(outs), ref_out) < 2e-2
+
+
+def test_decode_rejects_bad_input():
+    d = make_inputs(1, 8, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="pos must be a one-element integer tensor"):
+        OPS["attn_decode"].attention_decode(
+            d["qg"][0],
+            d["k"][0],
+            d["v"][0],
+            d["q_norm"],
+            d["k_norm"],
+            d["k_cache"],
+            d["v_cache"],
+            torch.tensor([1.0]),
+            inv_freq(device="cpu"),
+        )
+    with pytest.raises(ValueError, match="split must be 0 or a multiple of block_n"):
+        decode(d, 0, 3, split=24, block_n=16)
+    with pytest.raises(ValueError, match="k_cache and v_cache must be contiguous"):
+        decode({**d, "v_cache": d["v_cache"][:, :4]}, 0, 3)
+
+
+# ----------------------------------------------------------------------------- prefill
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "split,block_m,block_n",
+    [((37,), 16, 16), ((20, 17), 64, 32), ((5, 32), 16, 16)],
+    ids=["one-chunk", "20+17", "5+32"],
+)
+def test_prefill_chunks_match_one_shot_reference(device, split, block_m, block_n):
+    d = make_inputs(37, 48, device=device, seed=6)
+    ref_out, ref_k, ref_v = reference(d, 0, slice(0, 37))
+    outs, s = [], 0
+    for n in split:
+        start = torch.tensor([s], device=device) if s else s  # a device scalar works too
+        outs.append(prefill(d, start, slice(s, s + n), block_m=block_m, block_n=block_n))
+        s += n
+    out = torch.cat(outs)
+    assert out.shape == (37, 4 * 64) and out.dtype == torch.bfloat16
+    assert rel(out, ref_out) < 2e-2
+    assert rel(d["k_cache"][:, :37], ref_k[:, :37]) < 5e-3
+    assert torch.equal(d["v_cache"][:, :37].cpu(), ref_v[:, :37])
+    assert d["k_cache"][:, 37:].isnan().all()
+
+
+def test_prefill_rejects_bad_input():
+    d = make_inputs(4, 8, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match=r"positions \[6, 10\) do not fit a cache of 8"):
+        prefill(d, 6, slice(0, 4))
+    with pytest.raises(ValueError, match="v must be contiguous"):
+        prefill({**d, "v": d["v"][:, :-1]}, 0, slice(0, 4))
+    with pytest.raises(ValueError, match="block_m=16 must be a multiple of the group size 3"):
+        e = make_inputs(4, 8, h=6, dtype=torch.float32, device="cpu")
+        prefill(e, 0, slice(0, 4), block_m=16)
+
+
+# ----------------------------------------------------------------------------- norm + rope
+
+
+@triton.jit
+def _rms_rope_probe_kernel(
+    x,
+    w,
+    f,
+    pos,
+    out,
+    n_rows,
+    eps,
+    D: tl.constexpr,
+    R: tl.constexpr,
+    BR: tl.constexpr,
+    BD: tl.constexpr,
+):
+    o_r = tl.arange(0, BR)
+    m_r = o_r < n_rows
+    b_y = rms_rope_rows(x, o_r * D, m_r, w, f, tl.load(pos + o_r, mask=m_r, other=0), eps, D, R, BD)
+    o_d = tl.arange(0, BD)
+    tl.store(out + o_r[:, None] * D + o_d[None, :], b_y, mask=m_r[:, None] & (o_d < D)[None, :])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_norm_rope_at_long_positions(device):
+    """Angles up to 2.6e5 rad: the kernel reduces them exactly before sin/cos (fp32 hardware
+    sin/cos are only accurate near [-pi, pi]), matching the fp32 reference."""
+    pos = torch.tensor([0, 1, 4097, 65535, 199999, 262143], dtype=torch.int32)
+    x = torch.randn(6, 64)
+    w = torch.rand(64) + 0.5
+    ref = ref_rope(ref_rmsnorm(x, w, 1e-6), pos, 16, THETA)
+    out = torch.empty(6, 64, device=device)
+    _rms_rope_probe_kernel[(1,)](
+        x.to(device),
+        w.to(device),
+        inv_freq(device=device),
+        pos.to(device),
+        out,
+        6,
+        1e-6,
+        D=64,
+        R=16,
+        BR=8,
+        BD=64,
+    )
+    assert (out.cpu() - ref).abs().max().item() < 1e-4
