@@ -1,0 +1,214 @@
+"""Quantized GEMM for prefill: ``x @ w.T`` for T rows against MLX-packed weights.
+
+Dequantization happens inside the tile loop: each K step loads the packed words of a
+(BLOCK_N, BLOCK_K) weight tile, expands them to bf16 in registers, and feeds the tensor
+cores (fp32 accumulate); the bf16 weight never exists in memory. The product is computed
+transposed, ``out.T = w @ x.T``: weight rows are the MMA's M side (64 or more, what a Hopper
+warpgroup MMA wants, with A from registers) and tokens its N side, which may be as small as
+16, so few-row calls (MoE expert groups, short prompts) waste no tensor-core work.
+
+Unpacking (shared with the GEMV, see qgemv.py): a code OR'd into the mantissa of 1.0 at bit
+p is ``f = 1 + q * 2**(p - 23)``; ``w = s * q + b = S * f + (b - S)`` with
+``S = s * 2**(23 - p)``: one LOP3, half a shift and one FMA per code, no int->float convert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from lily.ops.qgemv import _as_f, check_weight, check_x, mask_lo
+from lily.quant import QuantWeight
+
+Tensor = torch.Tensor
+
+
+@triton.jit
+def dequant_tile(b_w, b_s, b_b, mask_lo, BITS: tl.constexpr):
+    """Words (BN, BG, WPG) int32, scales and biases (BN, BG) fp32 -> (BN, BG*WPG*PER) bf16."""
+    BN: tl.constexpr = b_w.shape[0]
+    BG: tl.constexpr = b_w.shape[1]
+    WPG: tl.constexpr = b_w.shape[2]
+    PER: tl.constexpr = 32 // BITS
+    if BITS == 4:
+        mask_hi = mask_lo << 4
+        # Even codes sit at mantissa bit 16 (S = 128 s), odd ones at bit 12 (S = 2048 s).
+        s_e = (b_s * 128.0)[:, :, None]
+        s_o = (b_s * 2048.0)[:, :, None]
+        c_e = b_b[:, :, None] - s_e
+        c_o = b_b[:, :, None] - s_o
+        w8 = b_w << 8
+        r8 = b_w >> 8
+        v0 = _as_f(b_w << 16, mask_hi) * s_e + c_e
+        v1 = _as_f(w8, mask_lo) * s_o + c_o
+        v2 = _as_f(w8, mask_hi) * s_e + c_e
+        v3 = _as_f(b_w, mask_lo) * s_o + c_o
+        v4 = _as_f(b_w, mask_hi) * s_e + c_e
+        v5 = _as_f(r8, mask_lo) * s_o + c_o
+        v6 = _as_f(r8, mask_hi) * s_e + c_e
+        v7 = _as_f(b_w >> 16, mask_lo) * s_o + c_o
+        # join puts the new axis inside the thread; this tree leaves codes in K order.
+        t = tl.join(
+            tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7))
+        )
+    else:
+        s8 = (b_s * 32768.0)[:, :, None]
+        c8 = b_b[:, :, None] - s8
+        v0 = _as_f(b_w << 8, mask_lo) * s8 + c8
+        v1 = _as_f(b_w, mask_lo) * s8 + c8
+        v2 = _as_f(b_w >> 8, mask_lo) * s8 + c8
+        v3 = _as_f(b_w >> 16, mask_lo) * s8 + c8
+        t = tl.join(tl.join(v0, v2), tl.join(v1, v3))
+    return tl.reshape(t.to(tl.bfloat16), (BN, BG * WPG * PER))
+
+
+@triton.jit
+def mma(a, b, acc, ON_CPU: tl.constexpr):
+    """``acc + a @ b`` with bf16 operands on tensor cores.
+
+    NOTE: Triton 3.6's interpreter multiplies bf16 operands as their raw uint16 bit
+    patterns; on the CPU (interpreter only) the operands go through fp32, which gives the
+    same products (bf16 x bf16 is exact in fp32) and fp32 accumulation.
+    """
+    if ON_CPU:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def load_dequant(p_qw, p_s, p_b, stride_qn, stride_sn, o_n, m_n, g0, n_groups, mask_lo,
+                 BITS: tl.constexpr, GROUP: tl.constexpr, BG: tl.constexpr):  # fmt: skip
+    """bf16 (BN, BG*GROUP) tile of w[o_n, groups g0:g0+BG] (groups past n_groups are 0)."""
+    PER: tl.constexpr = 32 // BITS
+    WPG: tl.constexpr = GROUP // PER
+    o_g = g0 + tl.arange(0, BG)
+    o_w = tl.arange(0, WPG)
+    m_g = o_g < n_groups
+    p_w = p_qw + o_n[:, None, None] * stride_qn + (o_g * WPG)[None, :, None] + o_w[None, None, :]
+    b_w = tl.load(p_w, mask=m_n[:, None, None] & m_g[None, :, None], other=0)
+    p_sb = o_n[:, None] * stride_sn + o_g[None, :]
+    m_sb = m_n[:, None] & m_g[None, :]
+    b_s = tl.load(p_s + p_sb, mask=m_sb, other=0.0).to(tl.float32)
+    b_b = tl.load(p_b + p_sb, mask=m_sb, other=0.0).to(tl.float32)
+    return dequant_tile(b_w, b_s, b_b, mask_lo, BITS)
+
+
+@triton.jit
+def _qgemm_kernel(
+    p_x, p_qw, p_s, p_b, p_out, T, N, K, stride_xt, stride_qn, stride_sn, stride_ot, mask_lo,
+    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, GROUP_N: tl.constexpr, ON_CPU: tl.constexpr,
+):  # fmt: skip
+    # Grouped order: GROUP_N weight-row blocks sweep all token blocks together, so a band of
+    # weights stays in L2 while the x tiles stream.
+    pid = tl.program_id(0)
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    m_blocks = tl.cdiv(T, BLOCK_M)
+    per_band = GROUP_N * m_blocks
+    band = pid // per_band
+    first_n = band * GROUP_N
+    band_n = tl.minimum(n_blocks - first_n, GROUP_N)
+    i_n = first_n + (pid % per_band) % band_n
+    i_m = (pid % per_band) // band_n
+
+    BG: tl.constexpr = BLOCK_K // GROUP
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_m = o_m < T
+    o_k = tl.arange(0, BLOCK_K)
+    n_groups = K // GROUP
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    for i_k in range(K_STEPS):
+        b_wd = load_dequant(
+            p_qw, p_s, p_b, stride_qn, stride_sn, o_n, m_n, i_k * BG, n_groups, mask_lo,
+            BITS, GROUP, BG,
+        )  # fmt: skip
+        k0 = i_k * BLOCK_K
+        p_xt = p_x + o_m[None, :] * stride_xt + (k0 + o_k)[:, None]
+        b_xt = tl.load(p_xt, mask=m_m[None, :] & ((k0 + o_k) < K)[:, None], other=0.0)
+        acc = mma(b_wd, b_xt.to(tl.bfloat16), acc, ON_CPU)
+    p_o = p_out + o_m[None, :] * stride_ot + o_n[:, None]
+    tl.store(p_o, acc.to(p_out.dtype.element_ty), mask=m_n[:, None] & m_m[None, :])
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One program's tile: BLOCK_M tokens x BLOCK_N weight rows x BLOCK_K inputs a step."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    group_n: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k", "num_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"GemmConfig.{name} must be a power of two, got {v}")
+        if self.block_m < 16 or self.block_n < 16 or self.block_k < 16:
+            raise ValueError("GemmConfig: tensor-core tiles need every block >= 16")
+
+
+def block_m_for(rows: float) -> int:
+    """Token tile for an expected number of rows (per expert, or T for a dense GEMM)."""
+    for bm in (16, 32, 64):
+        if rows <= 1.5 * bm:
+            return bm
+    return 128
+
+
+def gemm_config(t: int, n: int, k: int, group_size: int) -> GemmConfig:
+    """Tile for a shape (stand-in for a measured table; see docs/notes/linear_kernels.md)."""
+    bm = block_m_for(t)
+    bk = max(64, group_size)
+    if bm >= 128:
+        return GemmConfig(128, 128, bk, num_warps=8, num_stages=3)
+    if bm == 64:
+        return GemmConfig(64, 128, bk, num_warps=8, num_stages=3)
+    return GemmConfig(bm, 64, bk, num_warps=4, num_stages=3)
+
+
+def _launch_qgemm(x: Tensor, w: QuantWeight, out: Tensor, cfg: GemmConfig) -> None:
+    t, k = x.shape
+    n = w.shape[0]
+    if cfg.block_k % w.group_size:
+        raise ValueError(f"qgemm: block_k {cfg.block_k} must be a multiple of the group size")
+    grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(t, cfg.block_m),)
+    _qgemm_kernel[grid](
+        x, w.qweight, w.scales, w.biases, out, t, n, k, x.stride(0), w.qweight.stride(0),
+        w.scales.stride(0), out.stride(0), mask_lo(w.bits),
+        BITS=w.bits, GROUP=w.group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, K_STEPS=triton.cdiv(k, cfg.block_k), GROUP_N=cfg.group_n,
+        ON_CPU=x.device.type == "cpu",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
+def qgemm(
+    x: Tensor,
+    w: QuantWeight,
+    *,
+    out_dtype: torch.dtype | None = None,
+    config: GemmConfig | None = None,
+) -> Tensor:
+    """``x @ dequantize(w).T`` on tensor cores: x (T, K) bf16/fp16/fp32 (fed as bf16),
+    w QuantWeight (N, K) of 4 or 8 bits -> (T, N) in ``out_dtype`` (default bf16),
+    accumulated in fp32."""
+    check_weight(w, "qgemm: w", 2)
+    n, k = w.shape
+    check_x(x, k, "qgemm", w.device)
+    if x.dim() != 2:
+        raise ValueError(f"qgemm: x must be (T, K), got {tuple(x.shape)}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty((x.shape[0], n), dtype=out_dtype or torch.bfloat16, device=x.device)
+    if x.shape[0] == 0:
+        return out
+    cfg = config or gemm_config(x.shape[0], n, k, w.group_size)
+    _launch_qgemm(x, w, out, cfg)
+    return out

@@ -1,0 +1,365 @@
+"""Quantized GEMV for decode: ``x @ w.T`` for one row (or up to 8) against MLX-packed weights.
+
+Decode is bound by the bytes of the packed weight, so the kernel reads each word once, with
+16-byte loads, and spends about three instructions per 4-bit code (budget at full bandwidth on
+an H200: about 4.5). The trick that makes that possible (see docs/notes/linear_kernels.md):
+
+* a code is never converted int -> float. Masked into the mantissa of 1.0 at bit ``p`` it
+  *is* the float ``f = 1 + q * 2**(p - 23)``; for 4 bits, even codes land at bit 16 and odd
+  codes at bit 12, so one shift serves two codes (4 shifts, 8 masks per word);
+* with ``x'_k = x_k * 2**(23 - p_k)`` (exact, a power of two): ``f_k x'_k = x'_k + q_k x_k``,
+  hence per group ``sum_k w_k x_k = s * (sum f x' - sum x') + b * sum x``: one FMA per code;
+  the x-side sums are shared by all rows of the program.
+
+Grid: (row blocks, SPLIT_K). With SPLIT_K > 1 every program writes an fp32 partial and the
+last program of a row block (an atomic ticket) adds them in a fixed order, so no extra launch
+and deterministic results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from lily.quant import QuantWeight
+
+Tensor = torch.Tensor
+
+MAX_ROWS = 8  # the batched variant handles up to this many rows of x
+
+
+@triton.jit
+def _as_f(t, mask):
+    # The code's bits (already at their mantissa position) OR'd into 1.0.
+    return ((t & mask) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def x_prep(b_x, BITS: tl.constexpr, BLOCK_G: tl.constexpr):
+    """x block (BW, PER) fp32 -> (x' (BW, PER), sum x (BG,), sum x' (BG,)).
+
+    ``x'`` is x times 2**(23 - p) for the mantissa bit ``p`` its code is unpacked to.
+    """
+    BW: tl.constexpr = b_x.shape[0]
+    PER: tl.constexpr = b_x.shape[1]
+    o_j = tl.arange(0, PER)
+    if BITS == 4:
+        b_scale = tl.where(o_j % 2 == 1, 2048.0, 128.0)
+    else:
+        b_scale = tl.full((PER,), 32768.0, tl.float32)
+    b_xp = b_x * b_scale[None, :]
+    b_xs = tl.sum(tl.reshape(tl.sum(b_x, axis=1), (BLOCK_G, BW // BLOCK_G)), axis=1)
+    b_xps = tl.sum(tl.reshape(tl.sum(b_xp, axis=1), (BLOCK_G, BW // BLOCK_G)), axis=1)
+    return b_xp, b_xs, b_xps
+
+
+@triton.jit
+def dot_words(b_w, b_xp, mask_lo, BITS: tl.constexpr):
+    """sum_j f_j(words) * x'_j for words (BN, BW) and x' (BW, PER) -> (BN, BW)."""
+    BW: tl.constexpr = b_xp.shape[0]
+    if BITS == 4:
+        mask_hi = mask_lo << 4
+        # (BW, 8) -> eight (BW,) slices; each split peels one bit of j, lowest first.
+        x_even, x_odd = tl.split(tl.reshape(b_xp, (BW, 2, 2, 2)))
+        x04, x26 = tl.split(x_even)
+        x15, x37 = tl.split(x_odd)
+        x0, x4 = tl.split(x04)
+        x2, x6 = tl.split(x26)
+        x1, x5 = tl.split(x15)
+        x3, x7 = tl.split(x37)
+        w16 = b_w << 16
+        w8 = b_w << 8
+        r8 = b_w >> 8
+        r16 = b_w >> 16
+        b_d = _as_f(w16, mask_hi) * x0[None, :]
+        b_d += _as_f(w8, mask_lo) * x1[None, :]
+        b_d += _as_f(w8, mask_hi) * x2[None, :]
+        b_d += _as_f(b_w, mask_lo) * x3[None, :]
+        b_d += _as_f(b_w, mask_hi) * x4[None, :]
+        b_d += _as_f(r8, mask_lo) * x5[None, :]
+        b_d += _as_f(r8, mask_hi) * x6[None, :]
+        b_d += _as_f(r16, mask_lo) * x7[None, :]
+    else:
+        x_even, x_odd = tl.split(tl.reshape(b_xp, (BW, 2, 2)))
+        x0, x2 = tl.split(x_even)
+        x1, x3 = tl.split(x_odd)
+        b_d = _as_f(b_w << 8, mask_lo) * x0[None, :]
+        b_d += _as_f(b_w, mask_lo) * x1[None, :]
+        b_d += _as_f(b_w >> 8, mask_lo) * x2[None, :]
+        b_d += _as_f(b_w >> 16, mask_lo) * x3[None, :]
+    return b_d
+
+
+@triton.jit
+def gemv_rows(b_w, b_s, b_b, p_xk, m_w, mask_lo, BITS: tl.constexpr, BLOCK_G: tl.constexpr):
+    """fp32 (BN,) = x[k slice] @ w[rows, k slice].T for one x row.
+
+    b_w: words (BN, BW); b_s, b_b: fp32 scales and biases (BN, BG); p_xk: x at the slice's
+    first input; m_w: (BW,) words inside K.
+    """
+    BW: tl.constexpr = b_w.shape[1]
+    BN: tl.constexpr = b_w.shape[0]
+    PER: tl.constexpr = 32 // BITS
+    o_x = tl.arange(0, BW)[:, None] * PER + tl.arange(0, PER)[None, :]
+    b_x = tl.load(p_xk + o_x, mask=m_w[:, None], other=0.0).to(tl.float32)
+    b_xp, b_xs, b_xps = x_prep(b_x, BITS, BLOCK_G)
+    b_d = dot_words(b_w, b_xp, mask_lo, BITS)
+    b_d = tl.sum(tl.reshape(b_d, (BN, BLOCK_G, BW // BLOCK_G)), axis=2)
+    return tl.sum(b_s * (b_d - b_xps[None, :]) + b_b * b_xs[None, :], axis=1)
+
+
+@triton.jit
+def gemv_block(
+    p_x,
+    stride_xt,
+    T,
+    p_qw,
+    p_s,
+    p_b,
+    stride_qn,
+    stride_sn,
+    o_n,
+    m_n,
+    g_start,
+    g_end,
+    mask_lo,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    STEPS: tl.constexpr,
+    BT: tl.constexpr,
+):
+    """fp32 (BT, BN) = x[:T, groups g_start:g_end] @ w[o_n, same groups].T (dequantized).
+
+    Runs STEPS steps of BLOCK_G groups from g_start; groups at or past g_end are masked.
+    NOTE: loop bounds are constexpr because the Triton interpreter (numpy >= 2) cannot take
+    a run-time scalar as a ``range`` bound.
+    """
+    PER: tl.constexpr = 32 // BITS
+    WPG: tl.constexpr = GROUP // PER
+    BW: tl.constexpr = BLOCK_G * WPG
+    BN: tl.constexpr = o_n.shape[0]
+    o_t = tl.arange(0, BT)
+    o_g = tl.arange(0, BLOCK_G)
+    o_w = tl.arange(0, BW)
+    acc = tl.zeros((BT, BN), tl.float32)
+    for i_s in range(STEPS):
+        g0 = g_start + i_s * BLOCK_G
+        m_g = (g0 + o_g) < g_end
+        m_w = (g0 * WPG + o_w) < g_end * WPG
+        # NOTE: masked words read as 0 (f = 1) and masked x as 0, so they add nothing.
+        b_w = tl.load(
+            p_qw + o_n[:, None] * stride_qn + (g0 * WPG + o_w)[None, :],
+            mask=m_n[:, None] & m_w[None, :], other=0,
+        )  # fmt: skip
+        m_sb = m_n[:, None] & m_g[None, :]
+        p_sb = o_n[:, None] * stride_sn + (g0 + o_g)[None, :]
+        b_s = tl.load(p_s + p_sb, mask=m_sb, other=0.0).to(tl.float32)
+        b_b = tl.load(p_b + p_sb, mask=m_sb, other=0.0).to(tl.float32)
+        if BT == 1:
+            c = gemv_rows(b_w, b_s, b_b, p_x + g0 * GROUP, m_w, mask_lo, BITS, BLOCK_G)
+            acc += c[None, :]
+        else:
+            # A row at a time: the unpacked codes are common subexpressions across rows.
+            for t in tl.static_range(BT):
+                p_xk = p_x + t * stride_xt + g0 * GROUP
+                c = gemv_rows(b_w, b_s, b_b, p_xk, m_w & (t < T), mask_lo, BITS, BLOCK_G)
+                acc += tl.where(o_t[:, None] == t, c[None, :], 0.0)
+    return acc
+
+
+@triton.jit
+def _qgemv_kernel(
+    p_x, p_qw, p_s, p_b, p_res, p_out, p_part, p_ticket,
+    T, N, K, stride_xt, stride_qn, stride_sn, stride_rt, stride_ot, mask_lo,
+    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_G: tl.constexpr, SPLIT_K: tl.constexpr, HAS_RES: tl.constexpr,
+    groups_per_split: tl.constexpr,
+):  # fmt: skip
+    i_n = tl.program_id(0)
+    i_k = tl.program_id(1)
+    o_t = tl.arange(0, BLOCK_T)
+    m_t = o_t < T
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    g_start = i_k * groups_per_split
+    g_end = tl.minimum(g_start + groups_per_split, K // GROUP)
+    acc = gemv_block(
+        p_x, stride_xt, T, p_qw, p_s, p_b, stride_qn, stride_sn, o_n, m_n, g_start, g_end, mask_lo,
+        BITS, GROUP, BLOCK_G, triton.cdiv(groups_per_split, BLOCK_G), BLOCK_T,
+    )  # fmt: skip
+    m_tn = m_t[:, None] & m_n[None, :]
+    if SPLIT_K > 1:
+        # Partials (SPLIT_K, BLOCK_T, N); the last program of this row block sums them.
+        p_pb = p_part + o_t[:, None] * N + o_n[None, :]
+        tl.store(p_pb + i_k * BLOCK_T * N, acc, mask=m_tn)
+        ticket = tl.atomic_add(p_ticket + i_n, 1, sem="acq_rel")
+        if ticket == SPLIT_K - 1:
+            acc = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
+            for s in range(SPLIT_K):
+                # .cg: bypass L1, the partials were written by other SMs.
+                acc += tl.load(p_pb + s * BLOCK_T * N, mask=m_tn, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(p_ticket + i_n, 0)  # leave the counter zeroed for the next call
+            if HAS_RES:
+                p_r = p_res + o_t[:, None] * stride_rt + o_n[None, :]
+                acc += tl.load(p_r, mask=m_tn, other=0.0).to(tl.float32)
+            p_o = p_out + o_t[:, None] * stride_ot + o_n[None, :]
+            tl.store(p_o, acc.to(p_out.dtype.element_ty), mask=m_tn)
+    else:
+        if HAS_RES:
+            p_r = p_res + o_t[:, None] * stride_rt + o_n[None, :]
+            acc += tl.load(p_r, mask=m_tn, other=0.0).to(tl.float32)
+        p_o = p_out + o_t[:, None] * stride_ot + o_n[None, :]
+        tl.store(p_o, acc.to(p_out.dtype.element_ty), mask=m_tn)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Tile of one GEMV program: BLOCK_N rows, BLOCK_G groups per K step, SPLIT_K programs
+    along K, and the warps per program."""
+
+    block_n: int
+    block_g: int
+    split_k: int = 1
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_g", "num_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"GemvConfig.{name} must be a power of two, got {v}")
+        if self.split_k < 1:
+            raise ValueError(f"GemvConfig.split_k must be >= 1, got {self.split_k}")
+
+
+def mask_lo(bits: int) -> int:
+    """Mantissa mask of a code's field; passed at run time so the compiler keeps it in a
+    register and folds mask-and-or into one LOP3 (two immediates would take two)."""
+    return 0xF000 if bits == 4 else 0xFF00
+
+
+def gemv_config(n: int, k: int, t: int, bits: int, group_size: int) -> GemvConfig:
+    """Tile for a shape (a stand-in for a measured table; see docs/notes/linear_kernels.md).
+
+    Aim: a few programs per SM, each issuing its whole K slice (up to 2048 codes a row) at
+    once, with several rows per thread so that the x-side work is shared. Few rows (k/v
+    projections, in_proj_a/b, routers): split K so that more SMs take part.
+    """
+    n_groups = k // group_size
+    per_step = min(triton.next_power_of_2(n_groups), max(1, 2048 // group_size))
+    if n >= 65536:  # lm_head: many row blocks, loop over K with a big tile
+        return GemvConfig(64, min(per_step, max(1, 512 // group_size)), 1, 4)
+    block_n = 16 if n >= 4096 else 8
+    row_blocks = triton.cdiv(n, block_n)
+    split = min(max(1, 512 // row_blocks), max(1, n_groups // 2), 16)
+    block_g = min(per_step, triton.next_power_of_2(triton.cdiv(n_groups, split)))
+    return GemvConfig(block_n, block_g, split, 4)
+
+
+def check_weight(w: QuantWeight, name: str, ndim: int) -> None:
+    """Clear errors for a packed weight the kernels cannot read."""
+    if not isinstance(w, QuantWeight):
+        raise TypeError(f"{name}: expected a QuantWeight, got {type(w).__name__}")
+    if w.bits not in (4, 8):
+        raise ValueError(f"{name}: {w.bits}-bit weights are not supported (4 or 8)")
+    if w.group_size not in (32, 64, 128):
+        raise ValueError(f"{name}: group size {w.group_size} is not supported (32, 64 or 128)")
+    if w.qweight.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dims, got qweight {tuple(w.qweight.shape)}")
+    if w.qweight.dtype != torch.int32:
+        raise TypeError(f"{name}: qweight must be int32 (uint32 bits), got {w.qweight.dtype}")
+    k = w.shape[-1]
+    if k % w.group_size:
+        raise ValueError(f"{name}: K={k} is not a multiple of group size {w.group_size}")
+    want = (*w.qweight.shape[:-1], k // w.group_size)
+    for part in ("scales", "biases"):
+        t = getattr(w, part)
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name}: {part} shape {tuple(t.shape)}, expected {want}")
+        if t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise TypeError(f"{name}: {part} dtype {t.dtype} is not a float type")
+        if t.stride(-1) != 1 or t.device != w.qweight.device:
+            raise ValueError(f"{name}: {part} must be contiguous along groups, on qweight's device")
+    if w.qweight.stride(-1) != 1:
+        raise ValueError(f"{name}: qweight must be contiguous along K")
+    if w.scales.stride() != w.biases.stride():
+        raise ValueError(f"{name}: scales and biases must share strides")
+
+
+def check_x(x: Tensor, k: int, name: str, device: torch.device) -> None:
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"{name}: x dtype {x.dtype} is not bf16, fp16 or fp32")
+    if x.shape[-1] != k:
+        raise ValueError(f"{name}: x has {x.shape[-1]} inputs, the weight expects {k}")
+    if x.device != device:
+        raise ValueError(f"{name}: x is on {x.device}, the weight on {device}")
+
+
+def _launch_qgemv(
+    x: Tensor, w: QuantWeight, residual: Tensor | None, out: Tensor, cfg: GemvConfig
+) -> None:
+    t, k = x.shape
+    n = w.shape[0]
+    n_groups = k // w.group_size
+    per_split = triton.cdiv(n_groups, cfg.split_k)
+    split = triton.cdiv(n_groups, per_split)  # no empty K slices
+    block_t = triton.next_power_of_2(t)
+    row_blocks = triton.cdiv(n, cfg.block_n)
+    if split > 1:
+        part = torch.empty((split, block_t, n), dtype=torch.float32, device=x.device)
+        # NOTE: every launch leaves its tickets at zero again; a fresh zeroed buffer per call
+        # keeps concurrent streams (and graph branches) from sharing counters.
+        ticket = torch.zeros(row_blocks, dtype=torch.int32, device=x.device)
+    else:
+        part = ticket = out
+    res = residual if residual is not None else out
+    _qgemv_kernel[(row_blocks, split)](
+        x, w.qweight, w.scales, w.biases, res, out, part, ticket,
+        t, n, k, x.stride(0), w.qweight.stride(0), w.scales.stride(0), res.stride(0),
+        out.stride(0), mask_lo(w.bits),
+        BITS=w.bits, GROUP=w.group_size, BLOCK_T=block_t, BLOCK_N=cfg.block_n,
+        BLOCK_G=cfg.block_g, SPLIT_K=split, HAS_RES=residual is not None,
+        groups_per_split=per_split, num_warps=cfg.num_warps,
+    )  # fmt: skip
+
+
+def qgemv(
+    x: Tensor,
+    w: QuantWeight,
+    *,
+    residual: Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    config: GemvConfig | None = None,
+) -> Tensor:
+    """``residual + x @ dequantize(w).T`` for a decode row.
+
+    x: (K,) or (T, K) with T <= 8, bf16/fp16/fp32; w: QuantWeight (N, K), 4 or 8 bits.
+    Returns (N,) or (T, N) in ``out_dtype`` (default x's dtype), accumulated in fp32;
+    ``residual`` (same shape as the output) is added before the final rounding.
+    """
+    check_weight(w, "qgemv: w", 2)
+    n, k = w.shape
+    check_x(x, k, "qgemv", w.device)
+    if x.dim() not in (1, 2):
+        raise ValueError(f"qgemv: x must be (K,) or (T, K), got {tuple(x.shape)}")
+    x2 = x.reshape(1, k) if x.dim() == 1 else x
+    if x2.shape[0] > MAX_ROWS or x2.shape[0] < 1:
+        raise ValueError(f"qgemv: {x2.shape[0]} rows; the GEMV takes 1..{MAX_ROWS} (use qgemm)")
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    out_shape = (n,) if x.dim() == 1 else (x2.shape[0], n)
+    out = torch.empty((x2.shape[0], n), dtype=out_dtype or x.dtype, device=x.device)
+    res2 = None
+    if residual is not None:
+        if tuple(residual.shape) != out_shape or residual.device != x.device:
+            raise ValueError(
+                f"qgemv: residual {tuple(residual.shape)} on {residual.device} does not match "
+                f"the output {out_shape} on {x.device}"
+            )
+        res2 = residual.reshape(x2.shape[0], n)
+        res2 = res2 if res2.stride(-1) == 1 else res2.contiguous()
+    cfg = config or gemv_config(n, k, x2.shape[0], w.bits, w.group_size)
+    _launch_qgemv(x2, w, res2, out, cfg)
+    return out.reshape(out_shape)
