@@ -97,6 +97,20 @@ _ST_DTYPES = {
 _GROUP = 64
 
 
+def complete_text_config(text_config: dict[str, Any]) -> dict[str, Any]:
+    """``text_config`` with every missing field taken from the full model, as ModelConfig's
+    defaults are (an empty dict is Qwen3.6-35B-A3B); ``layer_types`` follows the layer count
+    and ``full_attention_interval`` when not given."""
+    tc = {**copy.deepcopy(FULL_TEXT_CONFIG), **copy.deepcopy(text_config)}
+    if "layer_types" not in text_config:
+        every = int(tc.pop("full_attention_interval", 4))
+        tc["layer_types"] = [
+            "full_attention" if (i + 1) % every == 0 else "linear_attention"
+            for i in range(int(tc["num_hidden_layers"]))
+        ]
+    return tc
+
+
 def make_config(text_config: dict[str, Any], layout: Layout, dtype: torch.dtype) -> dict:
     """The config.json of a checkpoint: the official nesting, plus for MLX layouts the
     ``quantization`` block exactly as mlx_lm.convert writes it (routers at 8 bits)."""
@@ -256,11 +270,15 @@ def write_random_checkpoint(
     ``layout``: "mlx4" / "mlx8" (what ``mlx_lm.convert -q`` writes, routers at 8 bits) or
     "hf" (official: ``model.language_model.`` keys, fused experts, norm offsets). ``dtype``
     is the dense and scale dtype. Files over ``shard_bytes`` are split with an index.
+    Fields missing from ``text_config`` take the full model's values.
+    Old safetensors files are unlinked, not overwritten, so a process that has them
+    memory-mapped keeps valid data.
     """
     if layout not in ("mlx4", "mlx8", "hf"):
         raise ValueError(f"layout must be 'mlx4', 'mlx8' or 'hf', got {layout!r}")
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"dtype must be bfloat16, float16 or float32, got {dtype}")
+    text_config = complete_text_config(text_config)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     from lily.tokenizer import write_test_tokenizer  # lazy: a heavier import

@@ -355,6 +355,8 @@ def load_params(
     ``progress``: a byte progress bar on stderr for loads over 1 GB, or "always".
     ``mtp.*`` tensors (kept only with ``load_mtp``) are returned as stored, under their
     checkpoint names, with float tensors cast to ``dtype``.
+    NOTE: on CPU, tensors already in their final dtype stay memory-mapped from the file
+    (no second copy); rewriting a checkpoint file in place under a live process corrupts it.
     """
     if quantize_on_load not in (None, 4, 8):
         raise ValueError(f"quantize_on_load must be None, 4 or 8, got {quantize_on_load!r}")

@@ -17,7 +17,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lily.checkpoint import TINY_TEXT_CONFIG, write_random_checkpoint
+from lily.checkpoint import (
+    FULL_TEXT_CONFIG,
+    TINY_TEXT_CONFIG,
+    complete_text_config,
+    write_random_checkpoint,
+)
 from lily.config import ConfigError, ModelConfig
 from lily.quant import QuantWeight, dequantize
 from lily.weights import CheckpointError, canonical_shapes, load_params
@@ -417,3 +422,13 @@ def test_random_sharded_and_tied(tmp_path, random_dirs):
     assert params["lm_head"] is params["embed_tokens"]
     with pytest.raises(ValueError, match="layout"):
         write_random_checkpoint(tmp_path / "bad", TINY_TEXT_CONFIG, "fp8")
+
+
+def test_missing_text_config_fields_default_to_the_full_model():
+    full = complete_text_config({})
+    assert full == FULL_TEXT_CONFIG
+    cfg = ModelConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": full})
+    assert (cfg.hidden_size, cfg.num_experts, cfg.vocab_size) == (2048, 256, 248320)
+    assert cfg.attn_layers == tuple(range(3, 40, 4))
+    small = complete_text_config({"num_hidden_layers": 8, "full_attention_interval": 2})
+    assert small["layer_types"] == ["linear_attention", "full_attention"] * 4
