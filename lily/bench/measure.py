@@ -145,6 +145,7 @@ def cost_model(cfg: ModelConfig, params: dict[str, Weight], act_bytes: int) -> d
     ``act_bytes``: bytes per element of the KV cache (the compute dtype).
     """
     expert_leaves = ("moe.gate_proj", "moe.up_proj", "moe.down_proj")
+    # per_expert: one expert's bytes summed over all layers (top-k of them are read per layer)
     dense = per_expert = 0
     linear_params = expert_params = 0
     seen = set()
@@ -161,16 +162,15 @@ def cost_model(cfg: ModelConfig, params: dict[str, Weight], act_bytes: int) -> d
             dense += _nbytes(w)
             if len(w.shape) >= 2 and name != "lm_head" and not name.endswith("conv1d"):
                 linear_params += _numel(w)
-    n_layers = cfg.num_hidden_layers
     k, vd, hv = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_num_value_heads
     n_dn, n_attn = len(cfg.linear_layers), len(cfg.attn_layers)
     state = n_dn * (hv * k * vd * 4 + (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * act_bytes)
     return {
-        "weight_bytes_per_token": dense + n_layers * cfg.num_experts_per_tok * per_expert,
+        "weight_bytes_per_token": dense + cfg.num_experts_per_tok * per_expert,
         "state_bytes_per_token": 2 * state,  # DeltaNet state read and written
         "kv_bytes_per_context_token": n_attn * cfg.num_key_value_heads * cfg.head_dim * 2
         * act_bytes,  # fmt: skip
-        "active_linear_params": linear_params + n_layers * cfg.num_experts_per_tok * expert_params,
+        "active_linear_params": linear_params + cfg.num_experts_per_tok * expert_params,
         "lm_head_params": cfg.vocab_size * cfg.hidden_size,
         "attn_flops_per_key": n_attn * 4 * cfg.num_attention_heads * cfg.head_dim,
         "deltanet_flops_per_token": n_dn * hv * k * vd * _DELTA_FLOPS_PER_KV,

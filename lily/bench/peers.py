@@ -35,7 +35,7 @@ PEERS: dict[str, PeerSpec] = {
         "transformers", ("transformers",), "lily.bench.peer_hf:TransformersAdapter"
     ),
     "mlx-lm": PeerSpec("mlx-lm", ("mlx", "mlx_lm"), "lily.bench.peer_mlx:MlxAdapter"),
-    "lily": PeerSpec("lily", ("torch",), "lily.bench.peer_lily:LilyPeerAdapter"),
+    "lily": PeerSpec("lily", ("torch",), "lily.bench.source:LilyPeerAdapter"),
 }
 
 

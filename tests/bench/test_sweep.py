@@ -1,0 +1,99 @@
+"""The sweep's scheduling: engine order, time budgets, failures; and option parsing."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from lily.bench.driver import parse_lengths
+from lily.bench.peers import PEERS, PeerSpec, check_available, parse_peers, start_peer
+from lily.bench.sweep import BenchAdapter, LocalEngine, Slot, run_point, sweep
+
+
+class FakeAdapter(BenchAdapter):
+    """Prefill takes ``per_token`` seconds per prompt token; decode ``step`` per token."""
+
+    def __init__(self, name, per_token=0.0, step=0.0, fail_at=None, log=None):
+        self.name, self.per_token, self.step, self.fail_at = name, per_token, step, fail_at
+        self.log = log if log is not None else []
+
+    def prefill(self, ids):
+        if self.fail_at is not None and len(ids) >= self.fail_at:
+            raise MemoryError("out of memory")
+        self.log.append((self.name, len(ids)))
+        time.sleep(self.per_token * len(ids))
+        return 1
+
+    def decode(self, token):
+        time.sleep(self.step)
+        return token + 1
+
+
+def slot(adapter, **kw):
+    return Slot(adapter.name, LocalEngine(adapter, "cpu"), **kw)
+
+
+def test_run_point_counts_tokens_and_cuts_decode_at_the_deadline():
+    r = run_point(FakeAdapter("a", per_token=0.001, step=0.0), [0] * 50, 16, math.inf)
+    assert r["length"] == 50 and r["decode_tokens"] == 16 and "decode_cut" not in r
+    assert r["prefill_s"] >= 0.05 and r["prefill_tok_s"] == pytest.approx(50 / r["prefill_s"])
+    assert r["decode_tok_s"] == pytest.approx(16 / r["decode_s"])
+    r = run_point(FakeAdapter("a", step=0.05), [0] * 4, 100, allowance_s=0.2)
+    assert 1 <= r["decode_tokens"] < 100 and "within the time budget" in r["decode_cut"]
+    assert "decode_tokens" not in run_point(FakeAdapter("a"), [0] * 4, 0, math.inf)
+
+
+def test_engine_order_alternates_within_each_round():
+    log = []
+    slots = [slot(FakeAdapter(n, log=log)) for n in ("a", "b", "c")]
+    res = sweep(slots, [1, 2, 3], lambda n: [0] * n, 1, 2, math.inf)
+    assert len(res) == 18 and all(r["status"] == "ok" for r in res)
+    firsts = [log[i][0] for i in range(0, 18, 3)]
+    assert firsts == ["a", "b", "c", "b", "c", "a"]  # rotates at every point and round
+    assert {r["round"] for r in res} == {0, 1}
+
+
+def test_long_lengths_are_cut_by_the_budget_and_failures_are_contained():
+    fast = slot(FakeAdapter("fast", per_token=0.0001))
+    slow = slot(FakeAdapter("slow", per_token=0.002))
+    broken = slot(FakeAdapter("broken", fail_at=20))
+    res = sweep([fast, slow, broken], [10, 20, 200, 400], lambda n: [0] * n, 2, 1, 0.3)
+    by = {(r["engine"], r["length"]): r for r in res}
+    assert all(by[("fast", n)]["status"] == "ok" for n in (10, 20, 200, 400))
+    assert by[("slow", 20)]["status"] == "ok"
+    assert by[("slow", 200)]["status"] == "cut"  # predicted 200 * 2 ms * 1.3 > 0.3 s
+    assert "predicted prefill" in by[("slow", 200)]["note"]
+    assert by[("slow", 400)]["status"] == "cut" and "cut from 200" in by[("slow", 400)]["note"]
+    assert by[("broken", 10)]["status"] == "ok"
+    assert by[("broken", 20)]["status"] == "failed" and "MemoryError" in by[("broken", 20)]["note"]
+    assert by[("broken", 400)]["status"] == "failed"
+
+
+def test_engine_share_of_the_whole_budget_is_respected():
+    s = slot(FakeAdapter("a", per_token=0.001), share_s=0.1)
+    res = sweep([s], [20, 40, 80, 160], lambda n: [0] * n, 0, 1, math.inf)
+    status = [r["status"] for r in res]
+    assert status[0] == "ok" and status[-1] == "cut"
+    assert s.used_s < 0.1 + 0.05
+
+
+def test_parse_lengths():
+    assert parse_lengths("256, 1K,2k,512") == [256, 512, 1024, 2048]
+    assert parse_lengths(None) is None
+    with pytest.raises(ValueError, match="'12x'"):
+        parse_lengths("1K,12x")
+    with pytest.raises(ValueError, match="positive"):
+        parse_lengths("0")
+
+
+def test_peer_names_and_a_peer_whose_import_fails(monkeypatch):
+    assert parse_peers("mlx-lm, transformers,mlx-lm") == ["mlx-lm", "transformers"]
+    with pytest.raises(ValueError, match="unknown peer 'llama'"):
+        parse_peers("transformers,llama")
+    monkeypatch.setitem(PEERS, "ghost", PeerSpec("ghost", ("lily_no_such_module",), "x:Y"))
+    lines = []
+    assert start_peer("ghost", {"device": "cpu"}, log=lines.append) is None
+    assert lines == ["peer ghost: skipped (Python package 'lily_no_such_module' not installed)"]
+    check_available("transformers")  # installed here: no error
