@@ -205,19 +205,29 @@ async def events(
     cancels its job.
     """
     wait = keepalive if disconnected is None else 0.5
-    while True:
-        try:
-            kind, value = await asyncio.wait_for(job.out.get(), timeout=wait)
-        except TimeoutError:
-            if disconnected is not None:
-                if await disconnected():
-                    raise asyncio.CancelledError from None
+    # NOTE: one pending get() is kept across timeouts; cancelling it on every timeout (as
+    # asyncio.wait_for does) could drop an event that arrives at that very moment.
+    getter: asyncio.Future | None = None
+    try:
+        while True:
+            if getter is None:
+                getter = asyncio.ensure_future(job.out.get())
+            done, _ = await asyncio.wait({getter}, timeout=wait)
+            if not done:
+                if disconnected is not None:
+                    if await disconnected():
+                        raise asyncio.CancelledError
+                    continue
+                yield "keepalive", None
                 continue
-            yield "keepalive", None
-            continue
-        yield kind, value
-        if kind in ("done", "error"):
-            return
+            kind, value = getter.result()
+            getter = None
+            yield kind, value
+            if kind in ("done", "error"):
+                return
+    finally:
+        if getter is not None and not getter.done():
+            getter.cancel()
 
 
 def _usage(usage: Any, reasoning_tokens: int) -> dict[str, Any]:

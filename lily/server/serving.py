@@ -89,7 +89,8 @@ class Scheduler:
         """Queue ``job``; raises QueueFull when ``queue_size`` jobs already wait."""
         job.loop = asyncio.get_running_loop()
         with self._cond:
-            if len(self._waiting) >= self.queue_size:
+            idle = self._running is None and not self._waiting
+            if len(self._waiting) >= self.queue_size and not idle:
                 raise QueueFull
             self._waiting.append(job)
             self._cond.notify()

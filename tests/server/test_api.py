@@ -176,7 +176,7 @@ def test_tool_choice_required_non_stream(client):
 
 def test_named_tool_choice_streamed(client):
     stream = client.chat.completions.create(
-        model="tiny", messages=MSGS, tools=[PING, TOOL], max_tokens=120, seed=9, stream=True,
+        model="tiny", messages=MSGS, tools=[TOOL, PING], max_tokens=120, seed=9, stream=True,
         tool_choice={"type": "function", "function": {"name": "set_alarm"}}, extra_body=NO_THINK,
     )  # fmt: skip
     chunks = list(stream)

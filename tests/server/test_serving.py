@@ -61,6 +61,15 @@ def test_disconnect_frees_the_engine_within_a_step(slow):
     assert metric(slow, "generation_tokens_total") - gen0 < 15
 
 
+def test_non_stream_client_leaving_cancels(slow):
+    gen0 = metric(slow, "generation_tokens_total")
+    body = {"messages": MSGS, "max_tokens": 60, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        slow.post("/v1/chat/completions", json=body, timeout=1.0)
+    wait_for(lambda: metric(slow, "num_requests_running") == 0, timeout=1.0 + 4 * DELAY)
+    assert metric(slow, "generation_tokens_total") - gen0 < 20
+
+
 def test_full_queue_gives_429_with_retry_after(slow):
     body = {"messages": MSGS, "max_tokens": 40, "ignore_eos": True, "stream": True}
     results = {}
