@@ -292,7 +292,8 @@ def write_random_checkpoint(
     config = make_config(tc, layout, dtype)
     cfg = ModelConfig.from_dict(config)  # validates the config as the loader will see it
     (out / "config.json").write_text(json.dumps(config, indent=4))
-    gen = {"do_sample": True, "eos_token_id": eos, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
+    # the model card's defaults for the (default) thinking mode
+    gen = {"do_sample": True, "eos_token_id": eos, "temperature": 1.0, "top_k": 20, "top_p": 0.95}
     if "<|endoftext|>" in ids:
         gen["pad_token_id"] = ids["<|endoftext|>"]
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
