@@ -39,14 +39,14 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     """Options of ``lily bench``."""
     _add_engine_args(p)
     p.add_argument("--random", choices=["full", "tiny"],
-                   help="random weights in the real (full) or test (tiny) shape, built on the "
-                        "device (default: full on a GPU, tiny on the CPU, unless --model)")  # fmt: skip
+                   help="random weights in the real (full) or test (tiny) shape, built on "
+                   "the device (default: full on a GPU, tiny on the CPU)")  # fmt: skip
     p.add_argument("--lengths", help="prompt lengths, e.g. 256,1K,32K (default: 256 .. 128K, "
                    "those that fit the model's context)")  # fmt: skip
     p.add_argument("--decode-tokens", type=int, default=128,
                    help="tokens generated one at a time after each prompt")  # fmt: skip
     p.add_argument("--peers", default="mlx-lm,transformers",
-                   help="comma-separated peers: mlx-lm, transformers, lily; 'none' for none")  # fmt: skip
+                   help="comma-separated: mlx-lm, transformers, lily; 'none' for none")  # fmt: skip
     p.add_argument("--rounds", type=int, default=1, help="rounds over all lengths")
     p.add_argument("--out", default="bench/results", help="folder for JSON, Markdown and PNG")
     p.add_argument("--name", default=None, help="file stem of the outputs (default: derived)")

@@ -106,8 +106,10 @@ def _disk_round_trip(plan: BenchPlan, cfg, params, text_cfg, result: dict) -> st
     result["model"]["disk_load_s"] = time.perf_counter() - t0
     same = fingerprint(loaded.model.params) == fingerprint(params)
     result["model"]["disk_identical_bytes"] = same
-    _log(f"disk: wrote {d} in {result['model']['disk_write_s']:.1f} s, Engine.load "
-         f"{result['model']['disk_load_s']:.1f} s (page cache warm), identical bytes: {same}")
+    _log(
+        f"disk: wrote {d} in {result['model']['disk_write_s']:.1f} s, Engine.load "
+        f"{result['model']['disk_load_s']:.1f} s (page cache warm), identical bytes: {same}"
+    )
     del loaded
     if torch.device(plan.source["device"]).type == "cuda":
         torch.cuda.empty_cache()
@@ -231,10 +233,6 @@ def _warm_and_sweep(plan: BenchPlan, slots: list[Slot], cfg, cost, result: dict)
             s.failed = f"warm-up failed: {peers._one_line(e)}"
             _log(f"{s.name}: {s.failed} (skipped)")
             result["notes"].append(f"{s.name}: {s.failed}")
-    live = [s for s in slots if not s.failed] or slots
-    if plan.budget_s > 0:
-        for s in slots:
-            s.share_s = plan.budget_s / (len(live) * plan.rounds)
     total = plan.rounds * len(plan.lengths) * len(slots)
     bar = None
     try:
@@ -251,8 +249,9 @@ def _warm_and_sweep(plan: BenchPlan, slots: list[Slot], cfg, cost, result: dict)
             bar.set_postfix_str(f"{p['engine']} {p['length']}: {rate}")
             bar.update(1)
 
+    budget = plan.budget_s or math.inf
     result["points"] = sweep(slots, plan.lengths, prompts, plan.decode_tokens, plan.rounds,
-                             plan.point_budget_s, on_point)  # fmt: skip
+                             plan.point_budget_s, budget, on_point)  # fmt: skip
     if bar is not None:
         bar.close()
     if any(p.get("status") == "cut" or p.get("decode_cut") for p in result["points"]):

@@ -96,6 +96,18 @@ def _best_time(fn, device, reps: int) -> float:
     return best
 
 
+def _copy_time(nbytes: int, device: str) -> float:
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    return _best_time(lambda: dst.copy_(src), device, 10)
+
+
+def _matmul_time(n: int, dtype: torch.dtype, device: str, reps: int) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    return _best_time(lambda: [a @ b for _ in range(reps)], device, 5)
+
+
 def measure_ceilings(device: str, copy_bytes: int | None = None, n: int | None = None) -> dict:
     """Copy bandwidth (bytes read + written per second) and matrix-product FLOP/s.
 
@@ -105,15 +117,9 @@ def measure_ceilings(device: str, copy_bytes: int | None = None, n: int | None =
     copy_bytes = copy_bytes or ((2 << 30) if cuda else (64 << 20))
     n = n or (8192 if cuda else 512)
     dtype = torch.bfloat16 if cuda else torch.float32
-    src = torch.empty(copy_bytes // 4, dtype=torch.float32, device=device).uniform_()
-    dst = torch.empty_like(src)
-    t_copy = _best_time(lambda: dst.copy_(src), device, 10)
-    del src, dst
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    t_copy = _copy_time(copy_bytes, device)
     reps = 5
-    t_mm = _best_time(lambda: [a @ b for _ in range(reps)], device, 5) / reps
-    del a, b
+    t_mm = _matmul_time(n, dtype, device, reps) / reps
     if cuda:
         torch.cuda.empty_cache()
     return {
@@ -168,7 +174,10 @@ def cost_model(cfg: ModelConfig, params: dict[str, Weight], act_bytes: int) -> d
     return {
         "weight_bytes_per_token": dense + cfg.num_experts_per_tok * per_expert,
         "state_bytes_per_token": 2 * state,  # DeltaNet state read and written
-        "kv_bytes_per_context_token": n_attn * cfg.num_key_value_heads * cfg.head_dim * 2
+        "kv_bytes_per_context_token": n_attn
+        * cfg.num_key_value_heads
+        * cfg.head_dim
+        * 2
         * act_bytes,  # fmt: skip
         "active_linear_params": linear_params + cfg.num_experts_per_tok * expert_params,
         "lm_head_params": cfg.vocab_size * cfg.hidden_size,
@@ -241,8 +250,9 @@ def expert_load(engine, ids: list[int]) -> dict:
     return {
         "tokens": len(ids),
         "mean_rows_per_expert": mean,
-        "quantiles": dict(zip(("min", "p10", "p50", "p90", "p99", "max"), q.tolist(),
-                              strict=True)),  # fmt: skip
+        "quantiles": dict(
+            zip(("min", "p10", "p50", "p90", "p99", "max"), q.tolist(), strict=True)
+        ),  # fmt: skip
         "max_over_mean": float(flat.max() / mean),
         "cv": float(flat.std() / mean),
         "idle_expert_fraction": float((flat == 0).mean()),

@@ -93,9 +93,7 @@ def _random_quant(
     return QuantWeight(words, scales.to(torch.bfloat16), biases.to(torch.bfloat16), bits, GROUP)
 
 
-def _random_dense(
-    name: str, shape: tuple[int, ...], dtype: torch.dtype, device, g
-) -> torch.Tensor:
+def _random_dense(name: str, shape: tuple[int, ...], dtype: torch.dtype, device, g) -> torch.Tensor:
     leaf = name.rsplit(".", 1)[-1]
     t = torch.empty(shape, dtype=torch.float32, device=device)
     if t.device.type == "meta":  # shapes only

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -157,19 +157,21 @@ def dispatch(adapter: BenchAdapter, device: str, method: str, args: tuple):
 
 @dataclass
 class Slot:
-    """One engine in the sweep: its handle, what it measures, its time account."""
+    """One engine in the sweep: its handle, what it measures, what it has shown so far."""
 
     name: str
     handle: object  # LocalEngine or peers.PeerProcess
     decode: bool = True
     peer: bool = False  # ratios are reported against peers
-    share_s: float = math.inf  # of the sweep budget, per round
     used_s: float = 0.0
     rate: float | None = None  # last prefill tok/s, for predictions
     last_len: int = 0
     cut_from: int | None = None  # first length skipped this round
     failed: str | None = None
-    notes: list[str] = field(default_factory=list)
+
+    @property
+    def live(self) -> bool:
+        return self.failed is None and self.cut_from is None
 
 
 def sweep(
@@ -178,41 +180,51 @@ def sweep(
     prompts: Callable[[int], list[int]],
     n_decode: int,
     rounds: int,
-    point_budget_s: float,
+    point_budget_s: float = math.inf,
+    budget_s: float = math.inf,
     on_point: Callable[[dict], None] = lambda r: None,
 ) -> list[dict]:
-    """All rounds over all lengths; engine order rotates at every point so heat and
-    background load hit every engine alike. A point whose predicted prefill does not fit
-    the engine's remaining share (or ``point_budget_s``) is cut, as are longer ones."""
+    """All rounds over all lengths, shortest first.
+
+    Engine order rotates at every point so heat and background load hit every engine
+    alike. Each round may use its part of ``budget_s`` (what one round leaves passes to
+    the next); at each point the time left is split evenly among the engines still to run
+    at that length, capped by ``point_budget_s``. A point whose predicted prefill does not
+    fit its allowance is cut, and so are that engine's longer ones in the round.
+    """
     results = []
+    start = time.perf_counter()
     for r in range(rounds):
+        round_end = start + budget_s * (r + 1) / rounds
         for s in slots:
-            s.used_s, s.cut_from = 0.0, None
+            s.cut_from = None
         for i, length in enumerate(lengths):
             k = (r + i) % len(slots)
-            for s in slots[k:] + slots[:k]:
-                res = _one(s, length, prompts, n_decode, point_budget_s)
+            order = slots[k:] + slots[:k]
+            for j, s in enumerate(order):
+                waiting = max(1, sum(t.live for t in order[j:]))
+                allowance = min(point_budget_s, (round_end - time.perf_counter()) / waiting)
+                res = _one(s, length, prompts, n_decode, allowance)
                 res |= {"engine": s.name, "round": r, "length": length}
                 results.append(res)
                 on_point(res)
     return results
 
 
-def _one(s: Slot, length: int, prompts, n_decode: int, point_budget_s: float) -> dict:
+def _one(s: Slot, length: int, prompts, n_decode: int, allowance: float) -> dict:
     if s.failed:
         return {"status": "failed", "note": s.failed}
-    allowance = min(point_budget_s, s.share_s - s.used_s)
     if s.cut_from is not None:
         return {"status": "cut", "note": f"time budget (cut from {s.cut_from} tokens)"}
-    if s.rate:
-        growth = GROWTH if length > s.last_len else 1.0
-        predicted = length / s.rate * growth
-        if predicted > allowance:
-            s.cut_from = length
-            return {
-                "status": "cut",
-                "note": f"time budget: predicted prefill {predicted:.0f} s > {allowance:.0f} s left",
-            }
+    growth = GROWTH if length > s.last_len else 1.0
+    predicted = length / s.rate * growth if s.rate else 0.0
+    if predicted > allowance or allowance <= 0:
+        s.cut_from = length
+        return {
+            "status": "cut",
+            "note": f"time budget: predicted prefill {predicted:.0f} s > "
+            f"{max(allowance, 0):.0f} s left",
+        }
     t0 = time.perf_counter()
     try:
         res = s.handle.call(
@@ -221,8 +233,8 @@ def _one(s: Slot, length: int, prompts, n_decode: int, point_budget_s: float) ->
         )  # fmt: skip
     except Exception as e:  # a peer that fails is skipped from here on, never a crash
         s.failed = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-        s.used_s += time.perf_counter() - t0
         return {"status": "failed", "note": s.failed}
-    s.used_s += time.perf_counter() - t0
+    finally:
+        s.used_s += time.perf_counter() - t0
     s.rate, s.last_len = res["prefill_tok_s"], length
     return {"status": "ok", **res}

@@ -62,7 +62,7 @@ def test_points_for_every_engine_and_length(bench_result):
     by = {(p["engine"], p["length"]): p for p in res["points"]}
     engines = ["lily", "lily (skewed router)", "transformers", "mlx-lm"]
     assert set(by) == {(e, n) for e in engines for n in (16, 40)}
-    for (e, n), p in by.items():
+    for (e, _), p in by.items():
         assert p["status"] == "ok", p
         assert p["prefill_tok_s"] > 0 and p["prefill_TFLOPs"] > 0 and p["round"] == 0
         if e == "lily (skewed router)":
@@ -98,7 +98,11 @@ def test_expert_load_histogram(bench_result):
         counts = el["counts"]
         assert len(counts) == 4 and all(len(c) == 8 for c in counts)  # layers x experts
         assert all(sum(c) == 32 * 2 for c in counts)  # every token picks top-2 per layer
-        assert el["tokens"] == 32 and el["mean_rows_per_expert"] == 8 and el["quantiles"]["max"] == max(map(max, counts))
+        assert (
+            el["tokens"] == 32
+            and el["mean_rows_per_expert"] == 8
+            and el["quantiles"]["max"] == max(map(max, counts))
+        )
     assert load["router skew 2.0"]["top1_row_share"] > load["uniform router"]["top1_row_share"]
 
 

@@ -48,7 +48,7 @@ def test_run_point_counts_tokens_and_cuts_decode_at_the_deadline():
 def test_engine_order_alternates_within_each_round():
     log = []
     slots = [slot(FakeAdapter(n, log=log)) for n in ("a", "b", "c")]
-    res = sweep(slots, [1, 2, 3], lambda n: [0] * n, 1, 2, math.inf)
+    res = sweep(slots, [1, 2, 3], lambda n: [0] * n, 1, 2)
     assert len(res) == 18 and all(r["status"] == "ok" for r in res)
     firsts = [log[i][0] for i in range(0, 18, 3)]
     assert firsts == ["a", "b", "c", "b", "c", "a"]  # rotates at every point and round
@@ -59,7 +59,7 @@ def test_long_lengths_are_cut_by_the_budget_and_failures_are_contained():
     fast = slot(FakeAdapter("fast", per_token=0.0001))
     slow = slot(FakeAdapter("slow", per_token=0.002))
     broken = slot(FakeAdapter("broken", fail_at=20))
-    res = sweep([fast, slow, broken], [10, 20, 200, 400], lambda n: [0] * n, 2, 1, 0.3)
+    res = sweep([fast, slow, broken], [10, 20, 200, 400], lambda n: [0] * n, 2, 1, 0.3, 60.0)
     by = {(r["engine"], r["length"]): r for r in res}
     assert all(by[("fast", n)]["status"] == "ok" for n in (10, 20, 200, 400))
     assert by[("slow", 20)]["status"] == "ok"
@@ -71,12 +71,19 @@ def test_long_lengths_are_cut_by_the_budget_and_failures_are_contained():
     assert by[("broken", 400)]["status"] == "failed"
 
 
-def test_engine_share_of_the_whole_budget_is_respected():
-    s = slot(FakeAdapter("a", per_token=0.001), share_s=0.1)
-    res = sweep([s], [20, 40, 80, 160], lambda n: [0] * n, 0, 1, math.inf)
-    status = [r["status"] for r in res]
-    assert status[0] == "ok" and status[-1] == "cut"
-    assert s.used_s < 0.1 + 0.05
+def test_the_whole_budget_is_shared_and_respected():
+    a = slot(FakeAdapter("a", per_token=0.001))
+    b = slot(FakeAdapter("b", per_token=0.001))
+    t0 = time.perf_counter()
+    res = sweep([a, b], [20, 40, 80, 160, 320], lambda n: [0] * n, 0, 1, budget_s=0.25)
+    elapsed = time.perf_counter() - t0
+    status = {(r["engine"], r["length"]): r["status"] for r in res}
+    assert status[("a", 20)] == status[("b", 20)] == "ok"
+    assert status[("a", 320)] == status[("b", 320)] == "cut"
+    assert elapsed < 0.25 + 0.15  # unlimited, the sweep would take 1.24 s
+    # with no budget nothing is cut
+    res = sweep([a], [20, 320], lambda n: [0] * n, 0, 1)
+    assert [r["status"] for r in res] == ["ok", "ok"]
 
 
 def test_parse_lengths():
