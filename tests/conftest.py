@@ -17,10 +17,26 @@ identical numbers and comparisons between them are exact.
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
-import pytest
-import torch
+# Without a GPU the Triton kernels run under the interpreter; this must be set before
+# any kernel module is imported.
+try:
+    import torch as _torch
+
+    if not _torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:  # pragma: no cover
+    pass
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# The tiny models' ops are microseconds long: one intra-op thread avoids the thread
+# hand-offs that otherwise dominate on a small, shared CPU.
+torch.set_num_threads(1)
 
 from lily.checkpoint import TINY_TEXT_CONFIG
 

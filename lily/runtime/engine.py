@@ -49,7 +49,7 @@ class Engine:
         self.model = Model(cfg, params, self.dtype)
         self.max_context = min(engine_cfg.max_context, cfg.max_position_embeddings)
         self.generation_defaults: dict = dict(tokenizer.generation_config or {})
-        self.runner: Runner = ReferenceRunner(self.model, engine_cfg.prefill_chunk)
+        self.runner: Runner = make_runner(self.model, engine_cfg)
         self.last_usage = Usage()
         self.state = self.new_state()  # the working state; the prefix cache owns copies
         self.prefix_cache = PrefixCache(
@@ -184,6 +184,17 @@ class Engine:
                 t = torch.tensor(ids[i : i + chunk], dtype=torch.long, device=self.model.device)
                 out.append(self.model.forward(t, state, all_logits=True).cpu())
         return torch.cat(out)
+
+
+def make_runner(model: Model, engine_cfg: EngineConfig) -> Runner:
+    """The Triton/CUDA-graph path when asked for on a GPU; the reference path otherwise."""
+    if engine_cfg.use_kernels:
+        if not str(engine_cfg.device).startswith("cuda"):
+            raise ValueError("the kernel path (use_kernels) needs a CUDA device")
+        from lily.runtime.gpu_runner import GpuRunner
+
+        return GpuRunner(model, engine_cfg.prefill_chunk)
+    return ReferenceRunner(model, engine_cfg.prefill_chunk)
 
 
 def _consistent(state: SessionState) -> bool:

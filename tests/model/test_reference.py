@@ -12,30 +12,36 @@ from lily.runtime.state import SessionState
 from lily.weights import load_params
 
 
+# The same reference tests run on the GPU when there is one.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def make_model(path) -> Model:
+def make_model(path, device: str = "cpu") -> Model:
     cfg = ModelConfig.from_dir(path)
-    return Model(cfg, load_params(path, cfg, dtype=torch.float32, progress=False), torch.float32)
+    params = load_params(path, cfg, device=device, dtype=torch.float32, progress=False)
+    return Model(cfg, params, torch.float32)
 
 
 def run(model: Model, ids: torch.Tensor, chunks: list[int] | None = None) -> torch.Tensor:
-    """All-position logits, prefilling in the given chunk sizes (one shot by default)."""
-    state = SessionState.new(model.cfg, "cpu", torch.float32, 4096, initial_capacity=8)
+    """All-position logits (on the CPU), prefilling in the given chunk sizes."""
+    state = SessionState.new(model.cfg, model.device, torch.float32, 4096, initial_capacity=8)
+    ids = ids.to(model.device)
     chunks = chunks or [len(ids)]
     out, i = [], 0
     for c in chunks:
         out.append(model.forward(ids[i : i + c], state, all_logits=True))
         i += c
     assert i == len(ids)
-    return torch.cat(out)
+    return torch.cat(out).cpu()
 
 
-@pytest.fixture(scope="module")
-def hf_model(hf_tiny_dir) -> Model:
-    return make_model(hf_tiny_dir)
+@pytest.fixture(scope="module", params=DEVICES)
+def hf_model(hf_tiny_dir, request) -> Model:
+    return make_model(hf_tiny_dir, request.param)
 
 
 def test_unquantized_matches_transformers(hf_model, tiny_hf_model):
@@ -58,9 +64,10 @@ def test_prefill_then_decode_equals_forward_of_n_plus_one(hf_model):
     torch.manual_seed(3)
     ids = torch.randint(0, hf_model.cfg.vocab_size, (31,))
     full = run(hf_model, ids)[-1]
-    state = SessionState.new(hf_model.cfg, "cpu", torch.float32, 4096)
+    state = SessionState.new(hf_model.cfg, hf_model.device, torch.float32, 4096)
+    ids = ids.to(hf_model.device)
     hf_model.forward(ids[:30], state)
-    step = hf_model.forward(ids[30:], state)[0]
+    step = hf_model.forward(ids[30:], state)[0].cpu()
     assert state.length == 31
     assert rel_l2(step, full) <= 1e-5
 
