@@ -134,12 +134,12 @@ def cmd_score(args: argparse.Namespace) -> int:
 
 
 def cmd_init(args: argparse.Namespace) -> int:
-    from lily.checkpoint import TINY_TEXT_CONFIG, write_random_checkpoint
+    from lily.checkpoint import FULL_TEXT_CONFIG, TINY_TEXT_CONFIG, write_random_checkpoint
 
     if args.config == "tiny":
         text_cfg = dict(TINY_TEXT_CONFIG)
     elif args.config == "full":
-        text_cfg = {}
+        text_cfg = dict(FULL_TEXT_CONFIG)
     else:
         raw = json.loads(Path(args.config).read_text())
         text_cfg = raw.get("text_config", raw)
@@ -182,15 +182,21 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--seed", type=int, default=0)
     i.set_defaults(fn=cmd_init)
 
-    try:
-        from lily.server.app import add_serve_args, run_server
-    except ImportError:
-        pass
-    else:
-        v = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-        _engine_args(v)
-        add_serve_args(v)
-        v.set_defaults(fn=run_server)
+    from lily.bench.cli import add_bench_args, add_compare_args, run_bench, run_compare
+    from lily.server.app import add_serve_args, run_server
+
+    v = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _engine_args(v)
+    add_serve_args(v)
+    v.set_defaults(fn=run_server)
+
+    b = sub.add_parser("bench", help="prefill and decode sweep, side by side with peers")
+    add_bench_args(b)
+    b.set_defaults(fn=run_bench)
+
+    m = sub.add_parser("compare", help="teacher-forced consistency against a reference engine")
+    add_compare_args(m)
+    m.set_defaults(fn=run_compare)
     return ap
 
 
