@@ -53,9 +53,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skew", type=float, nargs="?", const=2.0, default=0.0,
                    help="also time prefill with a skewed router (a few hot experts); value: "
                         "extra row scale of the hot experts (default 2)")  # fmt: skip
-    p.add_argument("--budget", type=float, default=420.0,
-                   help="seconds for the whole sweep, shared by the engines; longer lengths "
-                        "that would not fit are cut and marked (0: no limit)")  # fmt: skip
+    p.add_argument("--budget", type=float, default=450.0,
+                   help="seconds for the whole run, setup included; the sweep shares what is "
+                        "left among the engines and cuts (and marks) the lengths that would "
+                        "not fit (0: no limit)")  # fmt: skip
     p.add_argument("--point-budget", type=float, default=120.0,
                    help="seconds at most for one engine at one length (0: no limit)")  # fmt: skip
     p.add_argument("--disk-load", action="store_true",

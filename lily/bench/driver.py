@@ -16,10 +16,9 @@ from lily.bench import measure, peers, report
 from lily.bench.random_model import (
     engine_from_params,
     fingerprint,
-    hot_experts,
     params_nbytes,
     save_mlx_checkpoint,
-    skew_router,
+    skewed_params,
 )
 from lily.bench.source import canonical_params, describe
 from lily.bench.sweep import LilyAdapter, LocalEngine, Slot, sweep
@@ -38,7 +37,7 @@ class BenchPlan:
     rounds: int
     out: Path
     skew: float = 0.0
-    budget_s: float = 0.0  # whole sweep; 0 = no limit
+    budget_s: float = 0.0  # the whole run, setup included; 0 = no limit
     point_budget_s: float = math.inf
     disk_load: bool = False
     disk_dir: str | None = None
@@ -117,15 +116,14 @@ def _disk_round_trip(plan: BenchPlan, cfg, params, text_cfg, result: dict) -> st
 
 
 def _skewed_engine(engine, cfg, params, skew: float, seed: int):
-    hot = hot_experts(cfg.num_experts, seed)
-    p2 = {k: (skew_router(w, skew, hot) if k.endswith("moe.router") else w)
-          for k, w in params.items()}  # fmt: skip
+    p2 = skewed_params(params, cfg.num_experts, skew, seed)
     return engine_from_params(cfg, p2, engine.engine_cfg, name="skewed router")
 
 
 def run(plan: BenchPlan) -> dict:
     """The whole benchmark; returns the result dict (also written under ``plan.out``)."""
     src, device = plan.source, plan.source["device"]
+    t_start = time.perf_counter()
     result: dict = {
         "schema": report.SCHEMA,
         "env": measure.env_info(device),
@@ -191,7 +189,7 @@ def run(plan: BenchPlan) -> dict:
         result["engines"].append({"name": label, "status": "ok", "info": handle.info})
         slots.append(Slot(label, handle, peer=True))
     try:
-        _warm_and_sweep(plan, slots, cfg, cost, result)
+        _warm_and_sweep(plan, slots, cfg, cost, result, t_start)
     finally:
         for s in slots:
             s.handle.close()
@@ -215,7 +213,9 @@ def _peer_available(name: str, plan: BenchPlan, result: dict) -> bool:
         return False
 
 
-def _warm_and_sweep(plan: BenchPlan, slots: list[Slot], cfg, cost, result: dict) -> None:
+def _warm_and_sweep(
+    plan: BenchPlan, slots: list[Slot], cfg, cost, result: dict, t_start: float
+) -> None:
     prompts_cache: dict[int, list[int]] = {}
 
     def prompts(n: int) -> list[int]:
@@ -249,13 +249,20 @@ def _warm_and_sweep(plan: BenchPlan, slots: list[Slot], cfg, cost, result: dict)
             bar.set_postfix_str(f"{p['engine']} {p['length']}: {rate}")
             bar.update(1)
 
-    budget = plan.budget_s or math.inf
+    # NOTE: the budget covers the whole run: the sweep gets what setup left, less a margin
+    # for stopping the peers and writing the report.
+    budget = plan.budget_s - (time.perf_counter() - t_start) - 15 if plan.budget_s else math.inf
+    result["config"]["sweep_budget_s"] = budget if math.isfinite(budget) else 0
+    _log(
+        f"sweep: {len(plan.lengths)} lengths x {len(slots)} engines x {plan.rounds} round(s)"
+        + (f", {budget:.0f} s left of the {plan.budget_s:.0f} s budget" if plan.budget_s else "")
+    )
     result["points"] = sweep(slots, plan.lengths, prompts, plan.decode_tokens, plan.rounds,
                              plan.point_budget_s, budget, on_point)  # fmt: skip
     if bar is not None:
         bar.close()
     if any(p.get("status") == "cut" or p.get("decode_cut") for p in result["points"]):
         result["notes"].append(
-            f"some points were cut by the time budget (sweep {plan.budget_s or 'unlimited'} s, "
-            f"point {plan.point_budget_s} s): see the per-point notes"
+            f"some points were cut by the time budget (run {plan.budget_s or 'unlimited'} s, "
+            f"one point at most {plan.point_budget_s} s): see the per-point notes"
         )

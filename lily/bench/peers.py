@@ -101,7 +101,7 @@ def _one_line(e: BaseException) -> str:
 class PeerProcess:
     """Parent-side handle of a peer worker; ``call`` mirrors ``sweep.LocalEngine``."""
 
-    def __init__(self, name: str, source: dict, setup_timeout: float = 1800):
+    def __init__(self, name: str, source: dict, setup_timeout: float = 900):
         check_available(name)
         self.name = name
         ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child

@@ -134,6 +134,15 @@ def skew_router(w: Weight, skew: float, hot: list[int]) -> Weight:
     return out
 
 
+def skewed_params(
+    params: dict[str, Weight], num_experts: int, skew: float, seed: int = 0
+) -> dict[str, Weight]:
+    """``params`` with every expert router skewed (other tensors shared, not copied)."""
+    hot = hot_experts(num_experts, seed)
+    return {k: skew_router(w, skew, hot) if k.endswith("moe.router") else w
+            for k, w in params.items()}  # fmt: skip
+
+
 def random_params(
     cfg: ModelConfig,
     device: str | torch.device,

@@ -231,8 +231,9 @@ def _one(s: Slot, length: int, prompts, n_decode: int, allowance: float) -> dict
             "run_point", prompts(length), n_decode if s.decode else 0, allowance,
             timeout=2 * allowance + 120 if math.isfinite(allowance) else None,
         )  # fmt: skip
-    except Exception as e:  # a peer that fails is skipped from here on, never a crash
+    except Exception as e:  # an engine that fails is skipped from here on, never a crash
         s.failed = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        s.handle.close()  # frees its memory (a peer's worker is stopped)
         return {"status": "failed", "note": s.failed}
     finally:
         s.used_s += time.perf_counter() - t0

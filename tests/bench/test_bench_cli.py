@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,16 @@ def test_bad_options_are_clear_errors(tmp_path):
     assert plan.source["name"] == "tiny" and plan.peers == []
     assert plan.lengths == [256, 512, 1024, 2048]  # those that fit the tiny 4K context
     assert Path(plan.out).name == "results"
+
+
+def test_checkpoint_directory_with_our_engine_as_a_worker_peer(tmp_path, mlx4_dir):
+    args = parse(["--model", str(mlx4_dir), "--device", "cpu", "--lengths", "8",
+                  "--decode-tokens", "2", "--peers", "lily", "--out", str(tmp_path),
+                  "--name", "d", "--load-tokens", "8"])  # fmt: skip
+    assert run_bench(args) == 0
+    res = json.loads((tmp_path / "d.json").read_text())
+    assert res["config"]["source"]["kind"] == "dir" and res["model"]["load_s"] > 0
+    assert [(p["engine"], p["status"]) for p in res["points"]] == [
+        ("lily", "ok"), ("lily (worker)", "ok")]  # fmt: skip
+    assert res["engines"][1]["info"]["pid"] != os.getpid()  # timed in its own process
+    assert set(res["summary"]["ratios"]) == {"lily/lily (worker)"}
