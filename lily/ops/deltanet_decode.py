@@ -104,6 +104,11 @@ def _deltanet_decode_kernel(
     m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < VD
+    # the (K, BV) state block, read once and written once; its load is issued first so that
+    # its latency hides behind the conv and the norms
+    p_s = state + i_h * K * VD + o_k[:, None] * VD + o_v[None, :]
+    m_s = m_k[:, None] & m_v[None, :]
+    b_S = tl.load(p_s, mask=m_s, other=0.0)
 
     # conv + SiLU of this program's channels: its key head's q and k, its slice of v
     c_q = i_kh * K + o_k
@@ -118,10 +123,8 @@ def _deltanet_decode_kernel(
         tl.load(b + i_h), tl.load(a + i_h), tl.load(A_log + i_h), tl.load(dt_bias + i_h)
     )
 
-    # the recurrence on a (K, BV) block of the state, read once and written once
-    p_s = state + i_h * K * VD + o_k[:, None] * VD + o_v[None, :]
-    m_s = m_k[:, None] & m_v[None, :]
-    b_S = tl.load(p_s, mask=m_s, other=0.0) * tl.exp(b_g)
+    # the recurrence: decay, delta-rule write, read out
+    b_S = b_S * tl.exp(b_g)
     b_d = b_beta * (b_v - tl.sum(b_S * b_k[:, None], 0))
     b_S = b_S + b_k[:, None] * b_d[None, :]
     b_o = tl.sum(b_S * b_q[:, None], 0)

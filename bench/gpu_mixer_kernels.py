@@ -1,0 +1,361 @@
+"""Check and time the mixer kernels (Gated DeltaNet, gated attention) on one GPU.
+
+Run from the repository root on the GPU machine (about 3-4 minutes, most of it compiling):
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 bench/gpu_mixer_kernels.py --out $OUT/mixer.json
+
+Order: the two ceilings (device-to-device copy bandwidth, bf16 matmul rate), then at the
+model's real shapes each op is checked against the fp32 reference in lily.ops.ref_mixer on
+fresh random inputs and timed (CUDA graphs for the decode ops, so launch gaps are those of
+the engine's captured step; ``triton.testing.do_bench`` medians, L2 flushed between runs):
+1. DeltaNet decode step, 30 layers' states (60 MiB) per graph: GB/s against the copy rate;
+2. attention decode at 256..128K context, 10 layers' caches per graph, plain vs split-KV;
+3. DeltaNet prefill, token scan vs chunked, T = 512, 2048, 8192;
+4. attention prefill TFLOP/s at a few chunk/context sizes.
+A configuration that fails (too many resources, say) becomes a row with its error. Prints
+compact tables (again all together at the end); the JSON holds every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from lily.ops.attention_decode import attention_decode, default_split
+from lily.ops.attention_prefill import attention_prefill
+from lily.ops.deltanet_decode import DeltaNetDecodeWorkspace, deltanet_decode
+from lily.ops.deltanet_prefill import deltanet_prefill
+from lily.ops.norm_rope import rope_inv_freq
+from lily.ops.ref_mixer import ref_attention, ref_deltanet
+
+HK, HV, K, VD, W = 16, 32, 128, 128, 4
+C = 2 * HK * K + HV * VD
+H, HKV, DH, R, THETA = 16, 2, 256, 64, 1e7
+DN_LAYERS, ATTN_LAYERS = 30, 10
+# the sweeps (module constants so that a dry run can shrink them)
+DN_DECODE_CONFIGS = [(bv, w) for bv in (16, 32, 64, 128) for w in (4, 8)]  # block_v, warps
+DN_PREFILL_T = (512, 2048, 8192)
+DN_PREFILL_CONFIGS = [("scan", 16), ("scan", 32), ("scan", 128)]
+DN_PREFILL_CONFIGS += [("chunk", 32), ("chunk", 64), ("chunk", 128)]
+SCAN_ALL_UP_TO = 2048  # longer chunks time only the first scan configuration (it is slow)
+ATTN_CONTEXTS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+ATTN_SPLITS = (256, 1024)  # tried beside the plain variant and default_split
+ATTN_PREFILL_SHAPES = ((512, 0), (2048, 0), (8192, 0), (512, 1536), (2048, 30720))  # T, start
+ATTN_PREFILL_CONFIGS = [(64, 64, 8), (64, 32, 4), (32, 64, 4)]  # block_m, block_n, warps
+CHECK_T = 512  # prefill lengths checked against the reference (longer: variants agree)
+BF16 = torch.bfloat16
+DEV = "cuda"
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    if not torch.isfinite(a).all():
+        return float("nan")
+    return ((a - b).norm() / b.norm()).item()
+
+
+def bench_ms(fn) -> float:
+    return do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def graph_ms(fn) -> float:
+    """Median time of one replay of ``fn`` captured in a CUDA graph (fn run before)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench_ms(graph.replay)
+
+
+def attempt(rows: list[dict], base: dict, fn) -> None:
+    """Measure one configuration; a failure becomes a row with its error, not a crash."""
+    try:
+        rows.append({**base, **fn()})
+    except Exception as e:  # noqa: BLE001 - any failure of one config is data
+        rows.append({**base, "error": f"{type(e).__name__}: {e}"[:300]})
+        print(f"  failed {base}: {rows[-1]['error']}", flush=True)
+
+
+def ceilings() -> dict:
+    src = torch.rand(1 << 28, device=DEV)  # 1 GiB
+    dst = torch.empty_like(src)
+    copy_gbs = 2 * src.nbytes / bench_ms(lambda: dst.copy_(src)) / 1e6
+    a = torch.randn(8192, 8192, device=DEV, dtype=BF16)
+    b = torch.randn(8192, 8192, device=DEV, dtype=BF16)
+    mm_tflops = 2 * 8192**3 / bench_ms(lambda: a @ b) / 1e9
+    return {"copy_GBps": copy_gbs, "bf16_matmul_TFLOPs": mm_tflops}
+
+
+# ----------------------------------------------------------------------------- DeltaNet
+
+DN_INPUTS = ("mixed_qkv", "z", "b", "a")
+DN_ARGS = DN_INPUTS + ("conv_weight", "conv_state", "A_log", "dt_bias", "norm_weight", "state")
+
+
+def dn_inputs(t: int, gen: torch.Generator) -> dict:
+    """One layer's inputs for T tokens, in the ranges the model produces."""
+
+    def rnd(*shape, scale=1.0, dtype=BF16):
+        return (torch.randn(*shape, generator=gen, device=DEV) * scale).to(dtype)
+
+    f32 = torch.float32
+    return {
+        "mixed_qkv": rnd(t, C), "z": rnd(t, HV * VD), "b": rnd(t, HV), "a": rnd(t, HV),
+        "conv_weight": rnd(C, W, scale=0.5), "conv_state": rnd(W - 1, C),
+        "A_log": rnd(HV, scale=0.5, dtype=f32), "dt_bias": rnd(HV, dtype=f32),
+        "norm_weight": (torch.rand(VD, generator=gen, device=DEV) + 0.5).to(BF16),
+        "state": rnd(HV, K, VD, scale=0.05, dtype=f32),
+    }  # fmt: skip
+
+
+def dn_args(d: dict, rows=slice(None), **states) -> list:
+    """Positional arguments of the DeltaNet ops: tokens ``rows``, states overridable."""
+    d = {**d, **states}
+    return [d[k][rows] if k in DN_INPUTS else d[k] for k in DN_ARGS]
+
+
+def fresh_states(d: dict) -> dict:
+    return {"conv_state": d["conv_state"].clone(), "state": d["state"].clone()}
+
+
+def dn_decode(gen: torch.Generator, copy_gbs: float) -> list[dict]:
+    rows = []
+    d = dn_inputs(1, gen)
+    ref_out, ref_cs, ref_st = ref_deltanet(*dn_args(d), 1e-6)
+    layers = [dn_inputs(1, gen) for _ in range(DN_LAYERS)]
+    ws = DeltaNetDecodeWorkspace.new(HK, HV, VD, DEV)
+    # bytes one step must move per layer: state and conv state read and written, conv and
+    # norm weights, the inputs (qkv, z, b, a) and the output
+    nbytes = 2 * HV * K * VD * 4 + 2 * (W - 1) * C * 2 + C * W * 2 + VD * 2
+    nbytes += (C + 2 * HV * VD + 2 * HV) * 2
+
+    def measure(block_v: int, warps: int) -> dict:
+        kw = {"workspace": ws, "block_v": block_v, "num_warps": warps}
+        st = fresh_states(d)
+        out = deltanet_decode(*dn_args(d, 0, **st), 1e-6, **kw)
+        err = max(rel(out, ref_out[0]), rel(st["state"], ref_st))
+        err_cs = rel(st["conv_state"].float(), ref_cs)
+
+        def step():
+            for x in layers:
+                deltanet_decode(*dn_args(x, 0), 1e-6, **kw)
+
+        us = graph_ms(step) * 1e3 / DN_LAYERS
+        gbs = nbytes / us / 1e3
+        return {"us_per_layer": us, "GBps": gbs, "frac_copy": gbs / copy_gbs,
+                "rel_err": err, "conv_state_err": err_cs}  # fmt: skip
+
+    for block_v, warps in DN_DECODE_CONFIGS:
+        base = {"op": "dn_decode", "block_v": block_v, "num_warps": warps}
+        attempt(rows, base, lambda b=block_v, w=warps: measure(b, w))
+    return rows
+
+
+def dn_prefill(gen: torch.Generator) -> list[dict]:
+    rows = []
+    for t in DN_PREFILL_T:
+        d = dn_inputs(t, gen)
+        ref = ref_deltanet(*dn_args(d), 1e-6)[::2] if t <= CHECK_T else None
+        first: list = []
+
+        def measure(method: str, block_v: int, d=d, ref=ref, first=first, t=t) -> dict:
+            kw = {"method": method, "block_v": block_v}
+            st = fresh_states(d)
+            out = deltanet_prefill(*dn_args(d, **st), 1e-6, **kw)
+            if ref is None:  # against the first variant: the two algorithms must agree
+                if not first:
+                    first.extend([out, st["state"]])
+                ref = first
+            err = max(rel(out, ref[0]), rel(st["state"], ref[1]))
+            st = fresh_states(d)  # timed runs update states of their own
+            ms = bench_ms(lambda: deltanet_prefill(*dn_args(d, **st), 1e-6, **kw))
+            return {"ms": ms, "tok_per_s": t / ms * 1e3, "ms_30_layers": 30 * ms, "rel_err": err}
+
+        for method, block_v in DN_PREFILL_CONFIGS:
+            if method == "scan" and t > SCAN_ALL_UP_TO and block_v != DN_PREFILL_CONFIGS[0][1]:
+                continue
+            base = {"op": "dn_prefill", "T": t, "method": method, "block_v": block_v}
+            attempt(rows, base, lambda m=method, b=block_v, f=measure: f(m, b))
+    return rows
+
+
+# ----------------------------------------------------------------------------- attention
+
+ATTN_ARGS = ("qg", "k", "v", "q_norm", "k_norm", "k_cache", "v_cache")
+
+
+def attn_inputs(t: int, t_max: int, gen: torch.Generator, filled: int) -> dict:
+    """Projections of T tokens and caches of T_max rows, the first ``filled`` random."""
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, device=DEV).to(BF16)
+
+    d = {"qg": rnd(t, H * 2 * DH), "k": rnd(t, HKV * DH), "v": rnd(t, HKV * DH)}
+    for name in ("q_norm", "k_norm"):
+        d[name] = (torch.rand(DH, generator=gen, device=DEV) + 0.5).to(BF16)
+    for name in ("k_cache", "v_cache"):
+        d[name] = torch.zeros(HKV, t_max, DH, device=DEV, dtype=BF16)
+        d[name][:, :filled] = rnd(HKV, filled, DH)
+    return d
+
+
+def attn_args(d: dict, row: int | None = None) -> list:
+    """Positional arguments of the attention ops (one token's row for decode)."""
+    return [d[k] if row is None or "norm" in k or "cache" in k else d[k][row] for k in ATTN_ARGS]
+
+
+def attn_decode(gen: torch.Generator, copy_gbs: float) -> list[dict]:
+    rows = []
+    inv_freq = rope_inv_freq(R, THETA, DEV)
+    for ctx in ATTN_CONTEXTS:
+        pos = torch.tensor([ctx - 1], device=DEV, dtype=torch.int32)
+        layers = [attn_inputs(1, ctx, gen, ctx - 1) for _ in range(ATTN_LAYERS)]
+        ref_out = ref_attention(*attn_args(layers[0]), ctx - 1, R, THETA)[0][0]
+
+        def measure(split: int, layers=layers, pos=pos, ref_out=ref_out, ctx=ctx) -> dict:
+            kw = {"split": split, "max_len": ctx}
+            nbytes = 2 * HKV * ctx * DH * 2  # K and V rows read per layer
+
+            def step():
+                for x in layers:
+                    attention_decode(*attn_args(x, 0), pos, inv_freq, **kw)
+
+            err = rel(attention_decode(*attn_args(layers[0], 0), pos, inv_freq, **kw), ref_out)
+            us = graph_ms(step) * 1e3 / ATTN_LAYERS
+            gbs = nbytes / us / 1e3
+            return {"us_per_layer": us, "GBps": gbs, "frac_copy": gbs / copy_gbs, "rel_err": err}
+
+        splits = [0, default_split(ctx, HKV)] + [s for s in ATTN_SPLITS if s < ctx]
+        for split in dict.fromkeys(splits):
+            base = {"op": "attn_decode", "ctx": ctx, "split": split}
+            attempt(rows, base, lambda s=split, f=measure: f(s))
+        del layers
+        torch.cuda.empty_cache()
+    return rows
+
+
+def attn_prefill(gen: torch.Generator, mm_tflops: float) -> list[dict]:
+    rows = []
+    inv_freq = rope_inv_freq(R, THETA, DEV)
+    for t, start in ATTN_PREFILL_SHAPES:
+        d = attn_inputs(t, start + t, gen, start)
+        ref = ref_attention(*attn_args(d), start, R, THETA)[0] if t <= CHECK_T else None
+        flops = 4 * H * DH * (t * start + t * (t + 1) // 2)  # causal QK^T and PV
+
+        def measure(bm: int, bn: int, warps: int, d=d, start=start, ref=ref, flops=flops):
+            kw = {"block_m": bm, "block_n": bn, "num_warps": warps}
+
+            def call():
+                return attention_prefill(*attn_args(d), start, inv_freq, **kw)
+
+            err = rel(call(), ref) if ref is not None else float("nan")
+            ms = bench_ms(call)
+            tflops = flops / ms / 1e9
+            return {"ms": ms, "TFLOPs": tflops, "frac_matmul": tflops / mm_tflops, "rel_err": err}
+
+        for bm, bn, warps in ATTN_PREFILL_CONFIGS:
+            base = {"op": "attn_prefill", "T": t, "start": start, "block_m": bm, "block_n": bn,
+                    "num_warps": warps}  # fmt: skip
+            attempt(rows, base, lambda a=bm, b=bn, w=warps, f=measure: f(a, b, w))
+    return rows
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def table(rows: list[dict], keys: list[str]) -> str:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"
+        return str(v)
+
+    lines = [" ".join(f"{k:>12}" for k in keys)]
+    for r in rows:
+        cells = [f"{fmt(r.get(k, '')):>12}" for k in keys]
+        lines.append(" ".join(cells) + (f"  {r['error'][:60]}" if "error" in r else ""))
+    return "\n".join(lines)
+
+
+def crossover(rows: list[dict]) -> str:
+    """The shortest context from which the best split-KV row beats the plain one."""
+    best: dict[int, dict[bool, float]] = {}
+    for r in rows:
+        if "us_per_layer" in r:
+            cur = best.setdefault(r["ctx"], {})
+            key = r["split"] > 0
+            cur[key] = min(cur.get(key, float("inf")), r["us_per_layer"])
+    wins = [c for c, v in sorted(best.items()) if v.get(True, 1e9) < v.get(False, 1e9)]
+    return f"split-KV faster from ctx {wins[0]}" if wins else "split-KV never faster"
+
+
+SECTIONS = {
+    "dn_decode": ["block_v", "num_warps", "us_per_layer", "GBps", "frac_copy", "rel_err"],
+    "attn_decode": ["ctx", "split", "us_per_layer", "GBps", "frac_copy", "rel_err"],
+    "dn_prefill": ["T", "method", "block_v", "ms", "tok_per_s", "ms_30_layers", "rel_err"],
+    "attn_prefill": ["T", "start", "block_m", "block_n", "num_warps", "ms", "TFLOPs", "rel_err"],
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench/gpu_mixer_kernels.json", help="JSON results path")
+    ap.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections")
+    args = ap.parse_args()
+    names = args.only.split(",")
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown:
+        sys.exit(f"gpu_mixer_kernels: unknown section(s) {unknown}; choose from {list(SECTIONS)}")
+    if not torch.cuda.is_available():
+        sys.exit("gpu_mixer_kernels: needs a CUDA GPU")
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+        commit = commit.stdout.strip() or "unknown"
+    except OSError:
+        commit = "unknown"
+    t0 = time.time()
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "triton": triton.__version__, "commit": commit,
+           "date": datetime.now(UTC).isoformat(timespec="seconds")}  # fmt: skip
+    res["ceilings"] = ceil = ceilings()
+    head = (
+        f"copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s"
+    )
+    print(head, flush=True)
+    run = {
+        "dn_decode": lambda: dn_decode(gen, ceil["copy_GBps"]),
+        "attn_decode": lambda: attn_decode(gen, ceil["copy_GBps"]),
+        "dn_prefill": lambda: dn_prefill(gen),
+        "attn_prefill": lambda: attn_prefill(gen, ceil["bf16_matmul_TFLOPs"]),
+    }
+    tables = [head]
+    for name in names:
+        ts = time.time()
+        res[name] = rows = run[name]()
+        tables.append(f"== {name} ({time.time() - ts:.0f} s)\n{table(rows, SECTIONS[name])}")
+        if name == "attn_decode":
+            res["attn_decode_crossover"] = crossover(rows)
+            tables[-1] += "\n" + res["attn_decode_crossover"]
+        print(tables[-1], flush=True)
+        with open(args.out, "w") as f:  # after each section, in case a later one fails
+            json.dump(res, f, indent=1)
+    res["seconds"] = time.time() - t0
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print("\n\n".join(tables) + f"\ntotal {res['seconds']:.0f} s; JSON in {args.out}")
+
+
+if __name__ == "__main__":
+    main()
