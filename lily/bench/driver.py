@@ -100,7 +100,8 @@ def _disk_round_trip(plan: BenchPlan, cfg, params, text_cfg, result: dict) -> st
     save_mlx_checkpoint(params, cfg, text_cfg, d, progress=True)
     result["model"]["disk_write_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    loaded = lily_engine(dir_source(d, **{k: plan.source[k] for k in ("device", "dtype")}))
+    same_settings = {k: v for k, v in plan.source.items() if k not in ("kind", "path", "name")}
+    loaded = lily_engine(dir_source(d, **same_settings))
     measure.sync(plan.source["device"])
     result["model"]["disk_load_s"] = time.perf_counter() - t0
     same = fingerprint(loaded.model.params) == fingerprint(params)
@@ -172,7 +173,9 @@ def run(plan: BenchPlan) -> dict:
         result["expert_load"][f"router skew {plan.skew}"] = measure.expert_load(skewed, load_ids)
         slots.append(Slot("lily (skewed router)", LocalEngine(LilyAdapter(skewed), device),
                           decode=False))  # fmt: skip
-    result["engines"].append({"name": "lily", "status": "ok", "info": LilyAdapter(engine).info()})
+    for s in slots:
+        result["engines"].append({"name": s.name, "status": "ok",
+                                  "info": s.handle.adapter.info()})  # fmt: skip
     for name in plan.peers:
         if name == "mlx-lm" and not mlx_wanted:
             continue  # already reported

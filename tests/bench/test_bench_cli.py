@@ -73,7 +73,8 @@ def test_points_for_every_engine_and_length(bench_result):
             assert p["decode_GBps"] > 0 and 0 < p["decode_frac_copy"]
             assert p["decode_bytes_per_token"] > res["cost_model"]["weight_bytes_per_token"]
     assert {e["name"]: e["status"] for e in res["engines"]} == {
-        "lily": "ok", "transformers": "ok", "mlx-lm": "ok", "ghost": "skipped"}  # fmt: skip
+        "lily": "ok", "lily (skewed router)": "ok", "transformers": "ok", "mlx-lm": "ok",
+        "ghost": "skipped"}  # fmt: skip
     assert any("peer ghost: skipped" in n for n in res["notes"])
     info = {e["name"]: e.get("info", {}) for e in res["engines"]}
     assert info["lily"]["runner"] and info["transformers"]["weights"].startswith("dequantized")
