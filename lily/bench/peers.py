@@ -9,14 +9,18 @@ with one clear line, never a crash.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import multiprocessing as mp
 import os
+import subprocess
 import sys
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
 
 from lily.bench.sweep import BenchAdapter, dispatch
 
@@ -99,20 +103,26 @@ def _one_line(e: BaseException) -> str:
 
 
 class PeerProcess:
-    """Parent-side handle of a peer worker; ``call`` mirrors ``sweep.LocalEngine``."""
+    """Parent-side handle of a peer worker; ``call`` mirrors ``sweep.LocalEngine``.
+
+    The worker is a fresh ``python -m lily.bench.peers`` (not a multiprocessing spawn,
+    which would re-run the parent's main script), talking over an inherited socket pair.
+    """
 
     def __init__(self, name: str, source: dict, setup_timeout: float = 900):
         check_available(name)
         self.name = name
-        ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(
-            target=_worker_main, args=(child, name, source), name=f"lily-bench-{name}",
-            daemon=True,
+        self.conn, child = mp.Pipe()
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parents[2])  # so the worker imports this lily
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "lily.bench.peers", str(child.fileno()), name],
+            pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, env=env,
         )  # fmt: skip
-        self.proc.start()
         child.close()
         try:
+            self.conn.send(source)
             self.info = self._recv(setup_timeout, "setup")
         except Exception:
             self.close()
@@ -124,16 +134,16 @@ class PeerProcess:
         try:
             status, value = self.conn.recv()
         except (EOFError, OSError):
-            self.proc.join(5)
+            code = self.proc.wait(10)
             raise RuntimeError(
-                f"peer {self.name}: worker died during {what} (exit code {self.proc.exitcode})"
+                f"peer {self.name}: worker died during {what} (exit code {code})"
             ) from None
         if status != "ok":
             raise RuntimeError(f"peer {self.name}: {what} failed: {value}")
         return value
 
     def call(self, method: str, *args, timeout: float | None = None):
-        if not self.proc.is_alive():
+        if self.proc.poll() is not None:
             raise RuntimeError(f"peer {self.name}: worker is no longer running")
         self.conn.send((method, args))
         try:
@@ -143,18 +153,19 @@ class PeerProcess:
             raise
 
     def close(self) -> None:
-        if self.proc.is_alive():
-            try:
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError):
                 self.conn.send(("stop", ()))
-            except (OSError, BrokenPipeError):
-                pass
-            self.proc.join(10)
-        if self.proc.is_alive():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(10)
+        if self.proc.poll() is None:
             self.proc.terminate()
-            self.proc.join(10)
-        if self.proc.is_alive():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(10)
+        if self.proc.poll() is None:
             self.proc.kill()
-            self.proc.join()
+            self.proc.wait()
+        self.conn.close()
 
 
 def start_peer(name: str, source: dict, log=print) -> PeerProcess | None:
@@ -167,3 +178,18 @@ def start_peer(name: str, source: dict, log=print) -> PeerProcess | None:
         msg = str(e) if str(e).startswith(f"peer {name}") else f"peer {name}: {_one_line(e)}"
         log(f"{msg} (skipped)")
     return None
+
+
+def _worker_entry(argv: list[str]) -> int:
+    """``python -m lily.bench.peers FD NAME``: the worker side of ``PeerProcess``."""
+    conn = Connection(int(argv[0]))
+    try:
+        source = conn.recv()
+    except (EOFError, OSError):
+        return 1
+    _worker_main(conn, argv[1], source)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_entry(sys.argv[1:]))
