@@ -167,11 +167,11 @@ def run(plan: BenchPlan) -> dict:
     load_ids = measure.pseudo_text_ids(n_load, cfg.vocab_size, seed=plan.seed + 99)
     _log(f"expert load of a {n_load}-token prefill (reference forward) ...")
     result["expert_load"] = {"uniform router": measure.expert_load(engine, load_ids)}
-    slots = [Slot("lily", LocalEngine(LilyAdapter(engine), device))]
+    slots = [Slot("lily", LocalEngine(LilyAdapter(engine)))]
     if plan.skew:
         skewed = _skewed_engine(engine, cfg, params, plan.skew, src.get("seed", 0))
         result["expert_load"][f"router skew {plan.skew}"] = measure.expert_load(skewed, load_ids)
-        slots.append(Slot("lily (skewed router)", LocalEngine(LilyAdapter(skewed), device),
+        slots.append(Slot("lily (skewed router)", LocalEngine(LilyAdapter(skewed)),
                           decode=False))  # fmt: skip
     for s in slots:
         result["engines"].append({"name": s.name, "status": "ok",

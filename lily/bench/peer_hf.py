@@ -164,6 +164,10 @@ class TransformersAdapter(BenchAdapter):
         self.cache = None
         return torch.cat(out)
 
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
     def release(self) -> None:
         self.cache = None
         if self.cuda:

@@ -74,6 +74,9 @@ class MlxAdapter(BenchAdapter):
         self.cache = None
         return torch.cat(out)
 
+    def sync(self) -> None:
+        self.mx.synchronize()
+
     def release(self) -> None:
         self.cache = None
         self.mx.clear_cache()

@@ -74,7 +74,6 @@ def load_adapter(name: str, source: dict) -> BenchAdapter:
 
 def _worker_main(conn, name: str, source: dict) -> None:
     """Worker process: build the adapter, then answer calls until told to stop."""
-    device = source.get("device", "cpu")
     try:
         t0 = time.perf_counter()
         adapter = load_adapter(name, source)
@@ -91,7 +90,7 @@ def _worker_main(conn, name: str, source: dict) -> None:
         if msg[0] == "stop":
             return
         try:
-            conn.send(("ok", dispatch(adapter, device, msg[0], msg[1])))
+            conn.send(("ok", dispatch(adapter, msg[0], msg[1])))
         except BaseException as e:
             traceback.print_exc(file=sys.stderr)
             conn.send(("error", _one_line(e)))

@@ -38,6 +38,9 @@ class BenchAdapter:
         """Teacher-forced fp32 logits (T, V) on the CPU."""
         raise NotImplementedError
 
+    def sync(self) -> None:
+        """Wait for the device to finish queued work."""
+
     def release(self) -> None:
         """Drop the session and cached device memory."""
 
@@ -71,6 +74,9 @@ class LilyAdapter(BenchAdapter):
     def score(self, ids: list[int]) -> torch.Tensor:
         return self.engine.score(list(ids)).float()
 
+    def sync(self) -> None:
+        sync(self.device)
+
     def release(self) -> None:
         self.state = None
         if self.cuda:
@@ -94,16 +100,14 @@ class LilyAdapter(BenchAdapter):
         }
 
 
-def run_point(
-    eng: BenchAdapter, ids: list[int], n_decode: int, allowance_s: float, device: str = "cpu"
-) -> dict:
+def run_point(eng: BenchAdapter, ids: list[int], n_decode: int, allowance_s: float) -> dict:
     """Time a prefill of ``ids`` then up to ``n_decode`` greedy decode steps.
 
     Decode stops early once ``allowance_s`` (counted from the prefill start) is spent, with
     at least one step when any were asked for; the result says how many were timed.
     """
     eng.reset_peak()
-    sync(device)
+    eng.sync()
     t0 = time.perf_counter()
     tok = eng.prefill(ids)
     t1 = time.perf_counter()
@@ -123,31 +127,30 @@ def run_point(
     return out
 
 
-def warmup(eng: BenchAdapter, ids: list[int], n_decode: int = 4, device: str = "cpu") -> dict:
+def warmup(eng: BenchAdapter, ids: list[int], n_decode: int = 4) -> dict:
     """Run the paths once (compilation, autotuning, allocator); the rate seeds predictions."""
-    return run_point(eng, ids, n_decode, float("inf"), device)
+    return run_point(eng, ids, n_decode, float("inf"))
 
 
 class LocalEngine:
     """An adapter in this process, with the call interface of a peer process."""
 
-    def __init__(self, adapter: BenchAdapter, device: str):
+    def __init__(self, adapter: BenchAdapter):
         self.adapter = adapter
         self.name = adapter.name
-        self.device = device
 
     def call(self, method: str, *args, timeout: float | None = None):
-        return dispatch(self.adapter, self.device, method, args)
+        return dispatch(self.adapter, method, args)
 
     def close(self) -> None:
         self.adapter.release()
 
 
-def dispatch(adapter: BenchAdapter, device: str, method: str, args: tuple):
+def dispatch(adapter: BenchAdapter, method: str, args: tuple):
     if method == "run_point":
-        return run_point(adapter, *args, device=device)
+        return run_point(adapter, *args)
     if method == "warmup":
-        return warmup(adapter, *args, device=device)
+        return warmup(adapter, *args)
     if method == "score":
         return adapter.score(*args)
     if method == "info":

@@ -32,7 +32,7 @@ class FakeAdapter(BenchAdapter):
 
 
 def slot(adapter, **kw):
-    return Slot(adapter.name, LocalEngine(adapter, "cpu"), **kw)
+    return Slot(adapter.name, LocalEngine(adapter), **kw)
 
 
 def test_run_point_counts_tokens_and_cuts_decode_at_the_deadline():
