@@ -1,18 +1,22 @@
 """``python -m lily.bench.kernels``: run the kernel benchmark scripts, merge their tables.
 
 Each script (``bench/gpu_linear_kernels.py``, ``bench/gpu_mixer_kernels.py``) is run with
-``--out FILE`` and writes JSON: a list of records, or an object holding one under
-``results``/``kernels``/``rows``. A record names the kernel (``kernel`` or ``name``), its
-case (``shape``) and gives ``time_us`` and ``floor_us`` (or ``fraction_of_floor`` =
-floor / time directly). The merged table is sorted by fraction of floor, so the kernel
-furthest from its floor shows first. A missing or failing script is reported in one line
-and the others still run.
+``--out FILE`` and writes JSON: a list of rows, or an object whose list-valued entries are
+sections of rows (``{"dn_decode": [...], "attn_decode": [...], "ceilings": {...}}``). A row
+names its kernel (``op``, ``kernel`` or ``name``; else the section), gives its fraction of
+the floor (``fraction_of_floor`` or any ``frac_*`` such as ``frac_copy``/``frac_matmul``,
+else ``floor_us / time_us``) and its time (``time_us``, ``us_per_layer``, ``us`` or
+``ms``); its other plain fields describe the case. A row with ``error`` is kept with its
+message. The merged table is sorted by fraction of floor, so the kernel furthest from its
+floor shows first. A missing or failing script is reported in one line and the others
+still run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -20,55 +24,75 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ("bench/gpu_linear_kernels.py", "bench/gpu_mixer_kernels.py")
-_LIST_KEYS = ("results", "kernels", "rows", "points")
-_NAME_KEYS = ("kernel", "name", "op")
-_SHAPE_KEYS = ("shape", "shapes", "case")
-_FRACTION_KEYS = ("fraction_of_floor", "frac_floor", "floor_fraction", "of_floor")
+_NAME_KEYS = ("op", "kernel", "name")
+_TIME_US_KEYS = ("time_us", "us_per_layer", "us", "median_us")
+_TIME_MS_KEYS = ("time_ms", "ms", "median_ms")
+# measurements, not part of a case's description
+_METRICS = ("GBps", "TFLOPs", "tok_per_s", "rel_err", "error", "floor_us", "floor_ms")
 
 
-def _first(rec: dict, keys: tuple[str, ...]):
-    for k in keys:
-        if rec.get(k) is not None:
-            return rec[k]
+def _fraction(row: dict) -> float | None:
+    for k in ("fraction_of_floor", "frac_floor", "floor_fraction"):
+        if isinstance(row.get(k), (int, float)):
+            return float(row[k])
+    fracs = [v for k, v in row.items() if k.startswith("frac") and isinstance(v, (int, float))]
+    return float(fracs[0]) if fracs else None
+
+
+def _time_us(row: dict) -> float | None:
+    for k in _TIME_US_KEYS:
+        if isinstance(row.get(k), (int, float)):
+            return float(row[k])
+    for k in _TIME_MS_KEYS:
+        if isinstance(row.get(k), (int, float)):
+            return 1000.0 * float(row[k])
     return None
 
 
-def _time_us(rec: dict, prefix: str) -> float | None:
-    """``{prefix}_us`` or ``{prefix}_ms`` (x 1000) in microseconds; prefix "" -> us / ms."""
-    us = rec.get(f"{prefix}_us" if prefix else "us")
-    if us is None:
-        ms = rec.get(f"{prefix}_ms" if prefix else "ms")
-        us = None if ms is None else 1000.0 * float(ms)
-    return None if us is None else float(us)
+def _is_metric(key: str) -> bool:
+    return (key in _METRICS or key in _TIME_US_KEYS or key in _TIME_MS_KEYS
+            or key.startswith("frac") or key.startswith("ms_"))  # fmt: skip
+
+
+def _sections(data, script: str) -> list[tuple[str, list]]:
+    if isinstance(data, list):
+        return [(Path(script).stem, data)]
+    if isinstance(data, dict):
+        found = [(k, v) for k, v in data.items()
+                 if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]  # fmt: skip
+        if found:
+            return found
+    raise ValueError(f"{script}: no list of result rows in its JSON")
 
 
 def normalize(data, script: str) -> list[dict]:
-    """Records of one script's JSON in the merged form (kernel, shape, times, fraction)."""
-    rows = data
-    if isinstance(data, dict):
-        rows = next((data[k] for k in _LIST_KEYS if isinstance(data.get(k), list)), None)
-    if not isinstance(rows, list):
-        raise ValueError(f"{script}: expected a list of records (or one under {_LIST_KEYS})")
+    """Rows of one script's JSON in the merged form (kernel, case, time, fraction)."""
     out = []
-    for rec in rows:
-        if not isinstance(rec, dict):
-            raise ValueError(f"{script}: record {rec!r} is not an object")
-        t = _time_us(rec, "time") or _time_us(rec, "")
-        floor = _time_us(rec, "floor")
-        frac = _first(rec, _FRACTION_KEYS)
-        if frac is None and t and floor:
-            frac = floor / t
-        shape = _first(rec, _SHAPE_KEYS)
-        out.append({
-            "script": script,
-            "kernel": str(_first(rec, _NAME_KEYS) or "?"),
-            "shape": shape if isinstance(shape, str) or shape is None else json.dumps(shape),
-            "time_us": t,
-            "floor_us": floor,
-            "fraction_of_floor": None if frac is None else float(frac),
-            "extra": {k: v for k, v in rec.items() if isinstance(v, (int, float, str))
-                      and k not in _NAME_KEYS + _SHAPE_KEYS + _FRACTION_KEYS},
-        })  # fmt: skip
+    for section, rows in _sections(data, script):
+        for row in rows:
+            if not isinstance(row, dict):
+                raise ValueError(f"{script}: row {row!r} of {section} is not an object")
+            name = next((row[k] for k in _NAME_KEYS if row.get(k) is not None), section)
+            t, frac = _time_us(row), _fraction(row)
+            floor = row.get("floor_us")
+            if floor is None and isinstance(row.get("floor_ms"), (int, float)):
+                floor = 1000.0 * row["floor_ms"]
+            if frac is None and t and floor:
+                frac = floor / t
+            case = ", ".join(
+                f"{k}={v}" for k, v in row.items()
+                if k not in _NAME_KEYS and not _is_metric(k) and isinstance(v, (int, float, str))
+            )  # fmt: skip
+            out.append({
+                "script": script,
+                "kernel": str(name),
+                "case": case,
+                "time_us": t,
+                "floor_us": floor,
+                "fraction_of_floor": frac,
+                "error": row.get("error"),
+                "row": row,
+            })  # fmt: skip
     return out
 
 
@@ -79,9 +103,13 @@ def run_script(script: str, extra: list[str], timeout: float) -> tuple[list[dict
         return [], f"{script}: not found (skipped)"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
+        # the scripts import lily from the repository root
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}  # fmt: skip
         try:
-            r = subprocess.run([sys.executable, str(path), "--out", str(out), *extra], cwd=ROOT,
-                               capture_output=True, text=True, timeout=timeout)  # fmt: skip
+            cmd = [sys.executable, str(path), "--out", str(out), *extra]
+            r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                               timeout=timeout)  # fmt: skip
         except subprocess.TimeoutExpired:
             return [], f"{script}: ran over {timeout:.0f} s (stopped)"
         if r.returncode != 0:
@@ -102,16 +130,17 @@ def merge(records: list[dict]) -> list[dict]:
 
 
 def markdown(records: list[dict], problems: list[str]) -> str:
-    lines = ["| kernel | shape | time us | floor us | % of floor | script |",
-             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = ["| kernel | case | time us | % of floor | script |",
+             "| --- | --- | --- | --- | --- |"]  # fmt: skip
 
     def f(x, d=1):
         return "-" if x is None else f"{x:,.{d}f}"
 
     for r in records:
         pct = None if r["fraction_of_floor"] is None else 100 * r["fraction_of_floor"]
-        lines.append(f"| {r['kernel']} | {r['shape'] or ''} | {f(r['time_us'])} | "
-                     f"{f(r['floor_us'])} | {f(pct)} | {Path(r['script']).name} |")  # fmt: skip
+        pct_text = f"error: {str(r['error'])[:60]}" if r["error"] else f(pct)
+        lines.append(f"| {r['kernel']} | {r['case']} | {f(r['time_us'])} | {pct_text} | "
+                     f"{Path(r['script']).name} |")  # fmt: skip
     if problems:
         lines += [""] + [f"- {p}" for p in problems]
     return "\n".join(lines) + "\n"

@@ -23,36 +23,45 @@ def script(path, body: str):
 
 
 def test_merge_sorts_by_fraction_of_floor_and_reports_problems(tmp_path, capsys):
-    linear = script(
-        tmp_path / "lin.py",
-        """json.dump({"results": [
-            {"kernel": "gemv_4bit", "shape": "2048x4096", "time_us": 10.0, "floor_us": 9.0},
-            {"kernel": "moe_gemm", "shape": [512, 2048], "time_ms": 0.5, "floor_us": 100.0},
-        ]}, open(args.out, "w"))""",
-    )
+    # sections of rows, as bench/gpu_mixer_kernels.py writes them
     mixer = script(
         tmp_path / "mix.py",
         """assert args.quick, "extra args are passed on"
-        json.dump([{"name": "deltanet_scan", "fraction_of_floor": 0.5, "time_us": 40},
-                   {"name": "no_floor", "time_us": 3}], open(args.out, "w"))""",
+        json.dump({"gpu": "H200", "ceilings": {"copy_GBps": 4200.0},
+          "dn_decode": [{"op": "dn_decode", "block_v": 32, "us_per_layer": 20.0,
+                         "GBps": 3000.0, "frac_copy": 0.7, "rel_err": 1e-6}],
+          "attn_prefill": [{"op": "attn_prefill", "T": 2048, "ms": 0.5, "TFLOPs": 300,
+                            "frac_matmul": 0.45},
+                           {"op": "attn_prefill", "T": 4096, "error": "out of resources"}],
+          "dn_prefill": [{"op": "dn_prefill", "T": 512, "ms": 1.5, "tok_per_s": 3e5}]},
+          open(args.out, "w"))""",
+    )
+    linear = script(
+        tmp_path / "lin.py",
+        """json.dump([
+            {"kernel": "gemv_4bit", "shape": "2048x4096", "time_us": 10.0, "floor_us": 9.0},
+        ], open(args.out, "w"))""",
     )
     broken = script(tmp_path / "bad.py", "raise SystemExit('no GPU here')")
     missing = str(tmp_path / "nope.py")
     out = tmp_path / "merged.json"
-    rc = kernels.main(["--scripts", ",".join([linear, mixer, broken, missing]),
+    rc = kernels.main(["--scripts", ",".join([mixer, linear, broken, missing]),
                        "--out", str(out), "--", "--quick"])  # fmt: skip
     assert rc == 0
-    merged = json.loads(out.read_text())
-    names = [r["kernel"] for r in merged["kernels"]]
-    assert names == ["moe_gemm", "deltanet_scan", "gemv_4bit", "no_floor"]  # 0.2, 0.5, 0.9, ?
-    moe = merged["kernels"][0]
-    assert moe["time_us"] == 500.0 and moe["fraction_of_floor"] == 0.2
-    assert moe["shape"] == "[512, 2048]"
-    assert [p.split(":")[0] for p in merged["problems"]] == [broken, missing]
-    assert "exit code 1: no GPU here" in merged["problems"][0]
-    assert merged["problems"][1].endswith("not found (skipped)")
+    merged = json.loads(out.read_text())["kernels"]
+    got = [(r["kernel"], r["fraction_of_floor"]) for r in merged]
+    assert got == [("attn_prefill", 0.45), ("dn_decode", 0.7), ("gemv_4bit", 0.9),
+                   ("attn_prefill", None), ("dn_prefill", None)]  # fmt: skip
+    assert merged[0]["time_us"] == 500.0 and merged[0]["case"] == "T=2048"
+    assert merged[1]["time_us"] == 20.0 and merged[1]["case"] == "block_v=32"
+    assert merged[3]["error"] == "out of resources"
+    problems = json.loads(out.read_text())["problems"]
+    assert [p.split(":")[0] for p in problems] == [broken, missing]
+    assert "exit code 1: no GPU here" in problems[0]
+    assert problems[1].endswith("not found (skipped)")
     table = capsys.readouterr().out.splitlines()
-    assert table[2].startswith("| moe_gemm | [512, 2048] | 500.0 | 100.0 | 20.0 |")
+    assert table[2].startswith("| attn_prefill | T=2048 | 500.0 | 45.0 |")
+    assert "error: out of resources" in table[5]
 
 
 def test_nothing_to_merge_is_a_failure_but_not_a_crash(tmp_path, capsys):
@@ -61,6 +70,9 @@ def test_nothing_to_merge_is_a_failure_but_not_a_crash(tmp_path, capsys):
 
 
 def test_bad_json_is_named(tmp_path):
-    recs, problem = kernels.run_script(script(tmp_path / "s.py", "open(args.out, 'w').write('{')"),
-                                       [], 60)  # fmt: skip
+    bad = script(tmp_path / "s.py", "open(args.out, 'w').write('{')")
+    recs, problem = kernels.run_script(bad, [], 60)
     assert recs == [] and "unreadable output" in problem
+    empty = script(tmp_path / "e.py", "json.dump({'gpu': 'x'}, open(args.out, 'w'))")
+    recs, problem = kernels.run_script(empty, [], 60)
+    assert recs == [] and "no list of result rows" in problem
