@@ -130,6 +130,9 @@ class _Gate:
         await self.app(scope, receive, send_with_id)
 
 
+_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errs = exc.errors()
     if not errs:
@@ -141,7 +144,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     # Union members add their type names to the location; keep the field path.
     path = []
     for x in loc:
-        if x.isdigit() or x.isidentifier() and not x[:1].isupper() and x not in ("str", "list"):
+        if x.isdigit() or x.isidentifier() and not x[:1].isupper() and x not in _TYPE_NAMES:
             path.append(x)
     param = ".".join(path) or None
     msg = e.get("msg", "invalid value")

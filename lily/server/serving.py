@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from lily.server.metrics import Metrics
 
 log = logging.getLogger("lily.server")
@@ -114,38 +116,47 @@ class Scheduler:
                     return
                 job = self._waiting.popleft()
                 self._running = job
+            final: tuple[str, Any] | None = None
             try:
                 if not job.cancel.is_set():
-                    self._run(job)
+                    final = self._run(job)
             finally:
                 with self._cond:
                     self._running = None
+            # NOTE: posted after clearing `_running`, so a client that sees its answer
+            # also sees the engine idle in /metrics.
+            if final is not None:
+                job.post(*final)
 
-    def _run(self, job: Job) -> None:
+    def _run(self, job: Job) -> tuple[str, Any]:
+        """Stream the job's steps; return its final event (done or error)."""
         engine, m = self.engine, self.metrics
         job.started = time.monotonic()
         first = last = None
         try:
-            for step in engine.generate(
-                job.prompt_ids,
-                job.params,
-                cancelled=job.cancel.is_set,
-                logits_processor=job.processor,
-            ):
-                now = time.monotonic()
-                if step.token_id is not None:
-                    if first is None:
-                        first = now
-                        m.observe("time_to_first_token_seconds", now - job.arrived)
-                    else:
-                        m.observe("inter_token_latency_seconds", now - last)
-                    last = now
-                job.post("step", step)
+            # The server never needs autograd; inference mode also lets the engine update
+            # its cached tensors in place (they were made in inference mode).
+            with torch.inference_mode():
+                steps = engine.generate(
+                    job.prompt_ids,
+                    job.params,
+                    cancelled=job.cancel.is_set,
+                    logits_processor=job.processor,
+                )
+                for step in steps:
+                    now = time.monotonic()
+                    if step.token_id is not None:
+                        if first is None:
+                            first = now
+                            m.observe("time_to_first_token_seconds", now - job.arrived)
+                        else:
+                            m.observe("inter_token_latency_seconds", now - last)
+                        last = now
+                    job.post("step", step)
         except Exception as e:  # an engine fault fails this request only
             log.exception("request %s: engine error", job.request_id)
             m.add("request_failure")
-            job.post("error", e)
-            return
+            return "error", e
         usage = engine.last_usage
         m.add("prompt_tokens", usage.prompt_tokens)
         m.add("generation_tokens", usage.completion_tokens)
@@ -153,4 +164,4 @@ class Scheduler:
         m.add("prefix_cache_hits", usage.cached_tokens)
         m.add("request_success")
         m.observe("e2e_request_latency_seconds", time.monotonic() - job.arrived)
-        job.post("done", usage)
+        return "done", usage

@@ -102,7 +102,8 @@ def slow_server(model_dir, tmp_path_factory):
     argv = [str(ROOT / "tests/server/launch.py"), "--step-delay", "0.15", "--fault-seed", "666",
             "--load-delay", "2", "serve", "--model", str(model_dir), "--max-context",
             str(SLOW_CONTEXT),
-            "--queue-size", "1", "--keepalive", "0.3"]  # fmt: skip
+            "--queue-size", "1", "--keepalive", "0.3",
+            "--default-chat-template-kwargs", '{"enable_thinking": false}']  # fmt: skip
     s = Server(argv, log)
     try:
         s.seen_while_loading = s.health_history()

@@ -1,0 +1,42 @@
+"""Command-line flags of ``lily serve``: parsing and the errors bad values give."""
+
+import argparse
+
+import pytest
+
+from lily.server.app import add_serve_args, settings_from_args
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    return p.parse_args(list(argv))
+
+
+def test_defaults_bind_loopback_without_cors():
+    a = parse()
+    s = settings_from_args(a)
+    assert a.host == "127.0.0.1" and s.cors_origins == [] and s.api_keys == []
+    assert not s.log_requests
+
+
+def test_keys_from_flags_and_file(tmp_path):
+    f = tmp_path / "keys"
+    f.write_text("k3\n\n  k4  \n")
+    s = settings_from_args(parse("--api-key", "k1", "--api-key", "k2", "--api-key-file", str(f)))
+    assert s.api_keys == ["k1", "k2", "k3", "k4"]
+
+
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["--default-chat-template-kwargs", "{bad"], "--default-chat-template-kwargs"),
+        (["--default-chat-template-kwargs", "[1]"], "--default-chat-template-kwargs"),
+        (["--queue-size", "-1"], "--queue-size"),
+        (["--keepalive", "0"], "--keepalive"),
+        (["--api-key", "has space"], "--api-key"),
+    ],
+)
+def test_bad_flags_name_the_flag(argv, flag):
+    with pytest.raises(ValueError, match=flag):
+        settings_from_args(parse(*argv))
