@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server: ``lily serve`` (see app.py for the entry points)."""
