@@ -226,12 +226,17 @@ def _warm_and_sweep(
             prompts_cache[n] = measure.pseudo_text_ids(n, cfg.vocab_size, seed=plan.seed + n)
         return prompts_cache[n]
 
-    warm_ids = prompts(min(256, min(plan.lengths)))
+    # One warm-up prefill per distinct first-chunk size, so kernel compilation and
+    # autotuning for each shape happen before timing (decode warms on the first).
+    chunk = plan.source.get("prefill_chunk", 2048)
+    sizes = sorted({min(n, chunk) for n in plan.lengths})
     for s in slots:
-        _log(f"warming up {s.name} ...")
+        _log(f"warming up {s.name} ({', '.join(map(str, sizes))} tokens) ...")
         try:
-            w = s.handle.call("warmup", warm_ids, 4 if s.decode else 0, timeout=1800)
-            s.rate, s.last_len = w["prefill_tok_s"], len(warm_ids)
+            for j, n in enumerate(sizes):
+                decode = 2 if s.decode and j == 0 else 0
+                w = s.handle.call("warmup", prompts(n)[::-1], decode, timeout=1800)
+            s.rate, s.last_len = w["prefill_tok_s"], sizes[-1]
         except Exception as e:
             s.failed = f"warm-up failed: {peers._one_line(e)}"
             _log(f"{s.name}: {s.failed} (skipped)")

@@ -102,8 +102,9 @@ def markdown(result: dict) -> str:
         "",
         f"{env.get('gpu')} (driver {env.get('driver')}), torch {env.get('torch')}, "
         f"commit {str(env.get('git_commit'))[:10]}{' (dirty)' if env.get('git_dirty') else ''}"
-        f", {env.get('date')}. Batch 1, {cfg['rounds']} round(s), "
-        f"{cfg['decode_tokens']} decode tokens after each prompt.",
+        f", {env.get('date')}. Batch 1, {cfg['rounds']} round(s); prefill: first prompt token "
+        f"to first output token; decode: {cfg['decode_tokens']} greedy tokens after each "
+        "prompt, timed after one untimed step (graph capture). Each engine warmed up first.",
         "",
     ]
     if ceil:

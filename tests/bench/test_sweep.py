@@ -27,6 +27,7 @@ class FakeAdapter(BenchAdapter):
         return 1
 
     def decode(self, token):
+        self.log.append((self.name, "decode"))
         time.sleep(self.step)
         return token + 1
 
@@ -36,8 +37,10 @@ def slot(adapter, **kw):
 
 
 def test_run_point_counts_tokens_and_cuts_decode_at_the_deadline():
-    r = run_point(FakeAdapter("a", per_token=0.001, step=0.0), [0] * 50, 16, math.inf)
+    a = FakeAdapter("a", per_token=0.001, step=0.0)
+    r = run_point(a, [0] * 50, 16, math.inf)
     assert r["length"] == 50 and r["decode_tokens"] == 16 and "decode_cut" not in r
+    assert a.log.count(("a", "decode")) == 17  # one untimed step, then the 16 timed
     assert r["prefill_s"] >= 0.05 and r["prefill_tok_s"] == pytest.approx(50 / r["prefill_s"])
     assert r["decode_tok_s"] == pytest.approx(16 / r["decode_s"])
     r = run_point(FakeAdapter("a", step=0.05), [0] * 4, 100, allowance_s=0.2)
@@ -50,7 +53,8 @@ def test_engine_order_alternates_within_each_round():
     slots = [slot(FakeAdapter(n, log=log)) for n in ("a", "b", "c")]
     res = sweep(slots, [1, 2, 3], lambda n: [0] * n, 1, 2)
     assert len(res) == 18 and all(r["status"] == "ok" for r in res)
-    firsts = [log[i][0] for i in range(0, 18, 3)]
+    prefills = [e for e in log if e[1] != "decode"]
+    firsts = [prefills[i][0] for i in range(0, 18, 3)]
     assert firsts == ["a", "b", "c", "b", "c", "a"]  # rotates at every point and round
     assert {r["round"] for r in res} == {0, 1}
 
