@@ -57,12 +57,19 @@ class BenchAdapter:
 class LilyAdapter(BenchAdapter):
     """Our engine through ``engine.runner``: whichever path the engine uses is measured."""
 
-    def __init__(self, engine, name: str = "lily"):
+    def __init__(self, engine, name: str = "lily", score_via_runner: bool | None = None):
+        from lily.runtime.generate import ReferenceRunner
+
         self.engine = engine
         self.name = name
         self.device = str(engine.model.device)
         self.cuda = torch.device(self.device).type == "cuda"
         self.state = None
+        # NOTE: engine.score is the reference forward; a kernel runner gives only the last
+        # position's logits, so it is scored by teacher-forced decode steps instead.
+        if score_via_runner is None:
+            score_via_runner = not isinstance(engine.runner, ReferenceRunner)
+        self.score_via_runner = score_via_runner
 
     def prefill(self, ids: list[int]) -> int:
         self.state = self.engine.new_state()
@@ -72,7 +79,13 @@ class LilyAdapter(BenchAdapter):
         return int(self.engine.runner.decode(token, self.state).argmax())
 
     def score(self, ids: list[int]) -> torch.Tensor:
-        return self.engine.score(list(ids)).float()
+        if not self.score_via_runner:
+            return self.engine.score(list(ids)).float()
+        runner, state = self.engine.runner, self.engine.new_state()
+        out = [runner.prefill(list(ids[:1]), state).float().cpu()]
+        for t in ids[1:]:
+            out.append(runner.decode(int(t), state).float().cpu())
+        return torch.stack(out)
 
     def sync(self) -> None:
         sync(self.device)
@@ -95,6 +108,7 @@ class LilyAdapter(BenchAdapter):
             "device": self.device,
             "dtype": ecfg.dtype,
             "runner": type(self.engine.runner).__name__,
+            "scored_by": "runner decode steps" if self.score_via_runner else "reference forward",
             "use_kernels": ecfg.use_kernels,
             "prefill_chunk": ecfg.prefill_chunk,
         }

@@ -89,3 +89,17 @@ def test_text_input_and_a_missing_reference(tmp_path, mlx4_dir, monkeypatch, cap
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == ("lily compare: error: reference mlx-lm: PeerUnavailable: peer mlx-lm: "
                        "skipped (Python package 'lily_no_such_module' not installed)")  # fmt: skip
+
+
+def test_scoring_through_the_runner_equals_the_forward(mlx4_dir):
+    from lily.bench.measure import pseudo_text_ids
+    from lily.bench.source import dir_source, lily_engine
+    from lily.bench.sweep import LilyAdapter
+
+    engine = lily_engine(dir_source(mlx4_dir, device="cpu", dtype="float32"))
+    ids = pseudo_text_ids(24, engine.cfg.vocab_size, seed=5)
+    by_forward = LilyAdapter(engine, score_via_runner=False).score(ids)
+    by_runner = LilyAdapter(engine, score_via_runner=True).score(ids)
+    assert by_runner.shape == by_forward.shape == (24, engine.cfg.vocab_size)
+    m = metrics(by_runner[:-1], by_forward[:-1], ids)
+    assert m["top1_agreement_pct"] == 100.0 and m["rel_l2"] < 1e-5
