@@ -115,9 +115,13 @@ class PeerProcess:
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parents[2])  # so the worker imports this lily
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        try:  # the worker's prints go to our stderr, keeping stdout for the report
+            out = sys.stderr.fileno()
+        except (AttributeError, OSError, ValueError):
+            out = None
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "lily.bench.peers", str(child.fileno()), name],
-            pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, env=env,
+            pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, stdout=out, env=env,
         )  # fmt: skip
         child.close()
         try:
