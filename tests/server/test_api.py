@@ -57,6 +57,7 @@ def test_chat_non_stream_usage_and_shape(client, model_dir):
 
 def test_stream_equals_non_stream(client):
     kw = dict(model="tiny", messages=MSGS, max_tokens=8, seed=7, temperature=1.0,
+              logprobs=True, top_logprobs=1,
               extra_body={"ignore_eos": True, **NO_THINK})  # fmt: skip
     full = client.chat.completions.create(**kw)
     chunks = list(
@@ -69,6 +70,12 @@ def test_stream_equals_non_stream(client):
     assert finishes[-1] == "length" and finishes.count("length") == 1
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    streamed_lp = [e for ch in chunks if ch.choices and ch.choices[0].logprobs
+                   for e in ch.choices[0].logprobs.content]  # fmt: skip
+    assert [e.model_dump() for e in streamed_lp] == [
+        e.model_dump() for e in full.choices[0].logprobs.content
+    ]
+    assert len(streamed_lp) == 8
     # Thinking off: no reasoning at all.
     assert "reasoning_content" not in full.choices[0].message.model_extra
 
@@ -88,9 +95,14 @@ def test_greedy_logprobs_pick_the_top_token(client):
 def test_completions_stream_non_stream_stop_and_echo(client):
     kw = dict(model="tiny-alias", prompt="The quick brown fox", max_tokens=10, seed=3,
               extra_body={"ignore_eos": True})  # fmt: skip
-    full = client.completions.create(**kw)
+    full = client.completions.create(**kw, logprobs=2)
     assert full.object == "text_completion" and full.choices[0].finish_reason == "length"
     assert full.usage.completion_tokens == 10
+    lp = full.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 10
+    assert lp.text_offset == sorted(lp.text_offset)
+    # Keyed by token text, so two tokens that decode alike (partial UTF-8) share a key.
+    assert all(1 <= len(t) <= 2 for t in lp.top_logprobs)
     text = full.choices[0].text
     streamed = "".join(ch.choices[0].text for ch in client.completions.create(**kw, stream=True))
     assert streamed == text
