@@ -24,6 +24,7 @@ import triton.language as tl
 from lily.ops.qgemv import (
     GemvConfig,
     _launch_qgemv,
+    cast_to,
     check_weight,
     check_x,
     gemv_block,
@@ -89,24 +90,25 @@ def _moe_gate_up_kernel(
     ssn = tl.where(is_shared, stride_ssn, stride_sn)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < n_rows
-    # The slot's weights: expert e of the stacks, or the shared expert in the last slot.
-    if is_shared:
-        gw, gs, gb, uw, us, ub = p_sgw, p_sgs, p_sgb, p_suw, p_sus, p_sub
-    else:
-        e64 = e.to(tl.int64)
-        gw = p_gw + e64 * stride_we
-        gs = p_gs + e64 * stride_se
-        gb = p_gb + e64 * stride_se
-        uw = p_uw + e64 * stride_we
-        us = p_us + e64 * stride_se
-        ub = p_ub + e64 * stride_se
-    n_groups = D // GROUP
-    b_g = gemv_block(p_x, 0, 1, gw, gs, gb, sqn, ssn, o_n, m_n, 0, n_groups, mask_lo,
-                     BITS, GROUP, BLOCK_G, STEPS, 1)  # fmt: skip
-    b_u = gemv_block(p_x, 0, 1, uw, us, ub, sqn, ssn, o_n, m_n, 0, n_groups, mask_lo,
-                     BITS, GROUP, BLOCK_G, STEPS, 1)  # fmt: skip
-    b_h = b_g / (1.0 + tl.exp(-b_g)) * b_u
-    tl.store(p_h + slot * stride_h + o_n[None, :], b_h, mask=m_n[None, :])
+    if i_n * BLOCK_N < n_rows:  # the shared expert may be wider than the routed ones
+        # The slot's weights: expert e of the stacks, or the shared expert in the last slot.
+        if is_shared:
+            gw, gs, gb, uw, us, ub = p_sgw, p_sgs, p_sgb, p_suw, p_sus, p_sub
+        else:
+            e64 = e.to(tl.int64)
+            gw = p_gw + e64 * stride_we
+            gs = p_gs + e64 * stride_se
+            gb = p_gb + e64 * stride_se
+            uw = p_uw + e64 * stride_we
+            us = p_us + e64 * stride_se
+            ub = p_ub + e64 * stride_se
+        n_groups = D // GROUP
+        b_g = gemv_block(p_x, 0, 1, gw, gs, gb, sqn, ssn, o_n, m_n, 0, n_groups, mask_lo,
+                         BITS, GROUP, BLOCK_G, STEPS, 1)  # fmt: skip
+        b_u = gemv_block(p_x, 0, 1, uw, us, ub, sqn, ssn, o_n, m_n, 0, n_groups, mask_lo,
+                         BITS, GROUP, BLOCK_G, STEPS, 1)  # fmt: skip
+        b_h = b_g / (1.0 + tl.exp(-b_g)) * b_u
+        tl.store(p_h + slot * stride_h + o_n[None, :], b_h, mask=m_n[None, :])
 
 
 @triton.jit
@@ -117,7 +119,7 @@ def _moe_down_kernel(
     D, I_E, I_S, stride_h, mask_lo,
     TOP_K: tl.constexpr, N_SLOTS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, STEPS: tl.constexpr,
-    STEPS_S: tl.constexpr, HAS_RES: tl.constexpr,
+    STEPS_S: tl.constexpr, HAS_RES: tl.constexpr, ON_CPU: tl.constexpr,
 ):  # fmt: skip
     i_n = tl.program_id(0)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -139,7 +141,8 @@ def _moe_down_kernel(
         acc += w_r * c
     if HAS_RES:
         acc += tl.load(p_res + o_n[None, :], mask=m_n[None, :], other=0.0).to(tl.float32)
-    tl.store(p_out + o_n[None, :], acc.to(p_out.dtype.element_ty), mask=m_n[None, :])
+    b_o = cast_to(acc, p_out.dtype.element_ty, ON_CPU)
+    tl.store(p_out + o_n[None, :], b_o, mask=m_n[None, :])
 
 
 @dataclass(frozen=True)
@@ -260,6 +263,7 @@ def moe_decode(
     i_max = max(i, i_s)
     h = torch.empty((n_slots, i_max), dtype=torch.float32, device=dev)
     gu = cfg.gate_up
+    gu_bg = min(gu.block_g, triton.next_power_of_2(d // gate.group_size))
     sg, su, sd = (shared_gate, shared_up, shared_down) if has_shared else (gate[0], up[0], down[0])
     _moe_gate_up_kernel[(n_slots, triton.cdiv(i_max, gu.block_n))](
         x, ids, h,
@@ -270,7 +274,7 @@ def moe_decode(
         sg.qweight.stride(0), sg.scales.stride(0),
         i, i_s, d, h.stride(0), mask_lo(gate.bits),
         TOP_K=top_k, BITS=gate.bits, GROUP=gate.group_size, BLOCK_N=gu.block_n,
-        BLOCK_G=gu.block_g, STEPS=_steps(d, gate.group_size, gu.block_g),
+        BLOCK_G=gu_bg, STEPS=_steps(d, gate.group_size, gu_bg),
         num_warps=gu.num_warps,
     )  # fmt: skip
 
@@ -286,6 +290,6 @@ def moe_decode(
         TOP_K=top_k, N_SLOTS=n_slots, BITS=down.bits, GROUP=down.group_size,
         BLOCK_N=dn.block_n, BLOCK_G=block_g, STEPS=_steps(i, down.group_size, block_g),
         STEPS_S=_steps(max(i_s, down.group_size), down.group_size, block_g),
-        HAS_RES=residual is not None, num_warps=dn.num_warps,
+        HAS_RES=residual is not None, ON_CPU=dev.type == "cpu", num_warps=dn.num_warps,
     )  # fmt: skip
     return out

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lily.ops.qgemv import _as_f, check_weight, check_x, mask_lo
+from lily.ops.qgemv import _as_f, cast_to, check_weight, check_x, mask_lo, to_bf16
 from lily.quant import QuantWeight
 
 Tensor = torch.Tensor
@@ -28,41 +28,42 @@ Tensor = torch.Tensor
 
 @triton.jit
 def dequant_tile(b_w, b_s, b_b, mask_lo, BITS: tl.constexpr):
-    """Words (BN, BG, WPG) int32, scales and biases (BN, BG) fp32 -> (BN, BG*WPG*PER) bf16."""
+    """Words (BN, BG, WPG) int32, scales and biases (BN, BG) fp32 -> (BN, BG*WPG*PER) fp32."""
     BN: tl.constexpr = b_w.shape[0]
     BG: tl.constexpr = b_w.shape[1]
     WPG: tl.constexpr = b_w.shape[2]
     PER: tl.constexpr = 32 // BITS
     if BITS == 4:
         mask_hi = mask_lo << 4
-        # Even codes sit at mantissa bit 16 (S = 128 s), odd ones at bit 12 (S = 2048 s).
-        s_e = (b_s * 128.0)[:, :, None]
-        s_o = (b_s * 2048.0)[:, :, None]
+        # Even codes sit at mantissa bit 19 (S = 16 s), odd ones at bit 15 (S = 256 s).
+        s_e = (b_s * 16.0)[:, :, None]
+        s_o = (b_s * 256.0)[:, :, None]
         c_e = b_b[:, :, None] - s_e
         c_o = b_b[:, :, None] - s_o
-        w8 = b_w << 8
-        r8 = b_w >> 8
-        v0 = _as_f(b_w << 16, mask_hi) * s_e + c_e
-        v1 = _as_f(w8, mask_lo) * s_o + c_o
-        v2 = _as_f(w8, mask_hi) * s_e + c_e
-        v3 = _as_f(b_w, mask_lo) * s_o + c_o
-        v4 = _as_f(b_w, mask_hi) * s_e + c_e
-        v5 = _as_f(r8, mask_lo) * s_o + c_o
-        v6 = _as_f(r8, mask_hi) * s_e + c_e
-        v7 = _as_f(b_w >> 16, mask_lo) * s_o + c_o
+        w11 = b_w << 11
+        w3 = b_w << 3
+        r5 = b_w >> 5
+        v0 = _as_f(b_w << 19, mask_hi) * s_e + c_e
+        v1 = _as_f(w11, mask_lo) * s_o + c_o
+        v2 = _as_f(w11, mask_hi) * s_e + c_e
+        v3 = _as_f(w3, mask_lo) * s_o + c_o
+        v4 = _as_f(w3, mask_hi) * s_e + c_e
+        v5 = _as_f(r5, mask_lo) * s_o + c_o
+        v6 = _as_f(r5, mask_hi) * s_e + c_e
+        v7 = _as_f(b_w >> 13, mask_lo) * s_o + c_o
         # join puts the new axis inside the thread; this tree leaves codes in K order.
         t = tl.join(
             tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7))
         )
     else:
-        s8 = (b_s * 32768.0)[:, :, None]
+        s8 = (b_s * 256.0)[:, :, None]  # codes at bit 15
         c8 = b_b[:, :, None] - s8
-        v0 = _as_f(b_w << 8, mask_lo) * s8 + c8
-        v1 = _as_f(b_w, mask_lo) * s8 + c8
-        v2 = _as_f(b_w >> 8, mask_lo) * s8 + c8
-        v3 = _as_f(b_w >> 16, mask_lo) * s8 + c8
+        v0 = _as_f(b_w << 15, mask_lo) * s8 + c8
+        v1 = _as_f(b_w << 7, mask_lo) * s8 + c8
+        v2 = _as_f(b_w >> 1, mask_lo) * s8 + c8
+        v3 = _as_f(b_w >> 9, mask_lo) * s8 + c8
         t = tl.join(tl.join(v0, v2), tl.join(v1, v3))
-    return tl.reshape(t.to(tl.bfloat16), (BN, BG * WPG * PER))
+    return tl.reshape(t, (BN, BG * WPG * PER))
 
 
 @triton.jit
@@ -81,7 +82,7 @@ def mma(a, b, acc, ON_CPU: tl.constexpr):
 @triton.jit
 def load_dequant(p_qw, p_s, p_b, stride_qn, stride_sn, o_n, m_n, g0, n_groups, mask_lo,
                  BITS: tl.constexpr, GROUP: tl.constexpr, BG: tl.constexpr):  # fmt: skip
-    """bf16 (BN, BG*GROUP) tile of w[o_n, groups g0:g0+BG] (groups past n_groups are 0)."""
+    """fp32 (BN, BG*GROUP) tile of w[o_n, groups g0:g0+BG] (groups past n_groups are 0)."""
     PER: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = GROUP // PER
     o_g = g0 + tl.arange(0, BG)
@@ -100,7 +101,8 @@ def load_dequant(p_qw, p_s, p_b, stride_qn, stride_sn, o_n, m_n, g0, n_groups, m
 def _qgemm_kernel(
     p_x, p_qw, p_s, p_b, p_out, T, N, K, stride_xt, stride_qn, stride_sn, stride_ot, mask_lo,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, GROUP_N: tl.constexpr, ON_CPU: tl.constexpr,
+    BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, GROUP_N: tl.constexpr, SPLIT_W: tl.constexpr,
+    ON_CPU: tl.constexpr,
 ):  # fmt: skip
     # Grouped order: GROUP_N weight-row blocks sweep all token blocks together, so a band of
     # weights stays in L2 while the x tiles stream.
@@ -123,16 +125,23 @@ def _qgemm_kernel(
     n_groups = K // GROUP
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     for i_k in range(K_STEPS):
-        b_wd = load_dequant(
+        b_wf = load_dequant(
             p_qw, p_s, p_b, stride_qn, stride_sn, o_n, m_n, i_k * BG, n_groups, mask_lo,
             BITS, GROUP, BG,
         )  # fmt: skip
         k0 = i_k * BLOCK_K
         p_xt = p_x + o_m[None, :] * stride_xt + (k0 + o_k)[:, None]
         b_xt = tl.load(p_xt, mask=m_m[None, :] & ((k0 + o_k) < K)[:, None], other=0.0)
-        acc = mma(b_wd, b_xt.to(tl.bfloat16), acc, ON_CPU)
+        b_xt = to_bf16(b_xt, ON_CPU)
+        b_wd = to_bf16(b_wf, ON_CPU)
+        acc = mma(b_wd, b_xt, acc, ON_CPU)
+        if SPLIT_W:
+            # Second bf16 term w - bf16(w): ~16 mantissa bits of weight, for router logits
+            # whose top-k must not flip on rounding.
+            acc = mma(to_bf16(b_wf - b_wd.to(tl.float32), ON_CPU), b_xt, acc, ON_CPU)
     p_o = p_out + o_m[None, :] * stride_ot + o_n[:, None]
-    tl.store(p_o, acc.to(p_out.dtype.element_ty), mask=m_n[:, None] & m_m[None, :])
+    b_o = cast_to(acc, p_out.dtype.element_ty, ON_CPU)
+    tl.store(p_o, b_o, mask=m_n[:, None] & m_m[None, :])
 
 
 @dataclass(frozen=True)
@@ -174,7 +183,9 @@ def gemm_config(t: int, n: int, k: int, group_size: int) -> GemmConfig:
     return GemmConfig(bm, 64, bk, num_warps=4, num_stages=3)
 
 
-def _launch_qgemm(x: Tensor, w: QuantWeight, out: Tensor, cfg: GemmConfig) -> None:
+def _launch_qgemm(
+    x: Tensor, w: QuantWeight, out: Tensor, cfg: GemmConfig, split_w: bool = False
+) -> None:
     t, k = x.shape
     n = w.shape[0]
     if cfg.block_k % w.group_size:
@@ -185,7 +196,7 @@ def _launch_qgemm(x: Tensor, w: QuantWeight, out: Tensor, cfg: GemmConfig) -> No
         w.scales.stride(0), out.stride(0), mask_lo(w.bits),
         BITS=w.bits, GROUP=w.group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, K_STEPS=triton.cdiv(k, cfg.block_k), GROUP_N=cfg.group_n,
-        ON_CPU=x.device.type == "cpu",
+        SPLIT_W=split_w, ON_CPU=x.device.type == "cpu",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
@@ -195,11 +206,13 @@ def qgemm(
     w: QuantWeight,
     *,
     out_dtype: torch.dtype | None = None,
+    precise: bool = False,
     config: GemmConfig | None = None,
 ) -> Tensor:
     """``x @ dequantize(w).T`` on tensor cores: x (T, K) bf16/fp16/fp32 (fed as bf16),
     w QuantWeight (N, K) of 4 or 8 bits -> (T, N) in ``out_dtype`` (default bf16),
-    accumulated in fp32."""
+    accumulated in fp32. ``precise``: the weight enters as two bf16 terms (twice the MMA
+    work), so only x's bf16 rounding remains (router logits)."""
     check_weight(w, "qgemm: w", 2)
     n, k = w.shape
     check_x(x, k, "qgemm", w.device)
@@ -210,5 +223,5 @@ def qgemm(
     if x.shape[0] == 0:
         return out
     cfg = config or gemm_config(x.shape[0], n, k, w.group_size)
-    _launch_qgemm(x, w, out, cfg)
+    _launch_qgemm(x, w, out, cfg, precise)
     return out

@@ -5,8 +5,9 @@ Decode is bound by the bytes of the packed weight, so the kernel reads each word
 an H200: about 4.5). The trick that makes that possible (see docs/notes/linear_kernels.md):
 
 * a code is never converted int -> float. Masked into the mantissa of 1.0 at bit ``p`` it
-  *is* the float ``f = 1 + q * 2**(p - 23)``; for 4 bits, even codes land at bit 16 and odd
-  codes at bit 12, so one shift serves two codes (4 shifts, 8 masks per word);
+  *is* the float ``f = 1 + q * 2**(p - 23)``; for 4 bits, even codes land at bit 19 and odd
+  codes at bit 15, so one shift serves two codes (5 shifts, 8 masks per word); 8-bit codes
+  land at bit 15;
 * with ``x'_k = x_k * 2**(23 - p_k)`` (exact, a power of two): ``f_k x'_k = x'_k + q_k x_k``,
   hence per group ``sum_k w_k x_k = s * (sum f x' - sum x') + b * sum x``: one FMA per code;
   the x-side sums are shared by all rows of the program.
@@ -38,6 +39,30 @@ def _as_f(t, mask):
 
 
 @triton.jit
+def to_bf16(x, ON_CPU: tl.constexpr):
+    """x as bf16, rounded to nearest even.
+
+    NOTE: Triton 3.6's interpreter truncates on fp32 -> bf16 (and its round-to-nearest mode
+    loses the carry into the exponent), so on the CPU the rounding is done in integers
+    first; on the GPU the conversion instruction rounds and this is a plain cast.
+    """
+    if ON_CPU:
+        if x.dtype != tl.bfloat16:
+            u = x.to(tl.float32).to(tl.int32, bitcast=True)
+            u = (u + 0x7FFF + ((u >> 16) & 1)) & -65536
+            x = u.to(tl.float32, bitcast=True)
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
+def cast_to(x, dtype: tl.constexpr, ON_CPU: tl.constexpr):
+    """x cast to an output dtype, bf16 rounded as on the GPU (see to_bf16)."""
+    if dtype == tl.bfloat16:
+        return to_bf16(x, ON_CPU)
+    return x.to(dtype)
+
+
+@triton.jit
 def x_prep(b_x, BITS: tl.constexpr, BLOCK_G: tl.constexpr):
     """x block (BW, PER) fp32 -> (x' (BW, PER), sum x (BG,), sum x' (BG,)).
 
@@ -47,9 +72,9 @@ def x_prep(b_x, BITS: tl.constexpr, BLOCK_G: tl.constexpr):
     PER: tl.constexpr = b_x.shape[1]
     o_j = tl.arange(0, PER)
     if BITS == 4:
-        b_scale = tl.where(o_j % 2 == 1, 2048.0, 128.0)
+        b_scale = tl.where(o_j % 2 == 1, 256.0, 16.0)
     else:
-        b_scale = tl.full((PER,), 32768.0, tl.float32)
+        b_scale = tl.full((PER,), 256.0, tl.float32)
     b_xp = b_x * b_scale[None, :]
     b_xs = tl.sum(tl.reshape(tl.sum(b_x, axis=1), (BLOCK_G, BW // BLOCK_G)), axis=1)
     b_xps = tl.sum(tl.reshape(tl.sum(b_xp, axis=1), (BLOCK_G, BW // BLOCK_G)), axis=1)
@@ -70,26 +95,26 @@ def dot_words(b_w, b_xp, mask_lo, BITS: tl.constexpr):
         x2, x6 = tl.split(x26)
         x1, x5 = tl.split(x15)
         x3, x7 = tl.split(x37)
-        w16 = b_w << 16
-        w8 = b_w << 8
-        r8 = b_w >> 8
-        r16 = b_w >> 16
-        b_d = _as_f(w16, mask_hi) * x0[None, :]
-        b_d += _as_f(w8, mask_lo) * x1[None, :]
-        b_d += _as_f(w8, mask_hi) * x2[None, :]
-        b_d += _as_f(b_w, mask_lo) * x3[None, :]
-        b_d += _as_f(b_w, mask_hi) * x4[None, :]
-        b_d += _as_f(r8, mask_lo) * x5[None, :]
-        b_d += _as_f(r8, mask_hi) * x6[None, :]
-        b_d += _as_f(r16, mask_lo) * x7[None, :]
+        # Code j sits at bit 4j; one shift brings codes 2i-1 and 2i to bits 15 and 19.
+        w11 = b_w << 11
+        w3 = b_w << 3
+        r5 = b_w >> 5
+        b_d = _as_f(b_w << 19, mask_hi) * x0[None, :]
+        b_d += _as_f(w11, mask_lo) * x1[None, :]
+        b_d += _as_f(w11, mask_hi) * x2[None, :]
+        b_d += _as_f(w3, mask_lo) * x3[None, :]
+        b_d += _as_f(w3, mask_hi) * x4[None, :]
+        b_d += _as_f(r5, mask_lo) * x5[None, :]
+        b_d += _as_f(r5, mask_hi) * x6[None, :]
+        b_d += _as_f(b_w >> 13, mask_lo) * x7[None, :]
     else:
         x_even, x_odd = tl.split(tl.reshape(b_xp, (BW, 2, 2)))
         x0, x2 = tl.split(x_even)
         x1, x3 = tl.split(x_odd)
-        b_d = _as_f(b_w << 8, mask_lo) * x0[None, :]
-        b_d += _as_f(b_w, mask_lo) * x1[None, :]
-        b_d += _as_f(b_w >> 8, mask_lo) * x2[None, :]
-        b_d += _as_f(b_w >> 16, mask_lo) * x3[None, :]
+        b_d = _as_f(b_w << 15, mask_lo) * x0[None, :]
+        b_d += _as_f(b_w << 7, mask_lo) * x1[None, :]
+        b_d += _as_f(b_w >> 1, mask_lo) * x2[None, :]
+        b_d += _as_f(b_w >> 9, mask_lo) * x3[None, :]
     return b_d
 
 
@@ -160,7 +185,7 @@ def gemv_block(
         b_s = tl.load(p_s + p_sb, mask=m_sb, other=0.0).to(tl.float32)
         b_b = tl.load(p_b + p_sb, mask=m_sb, other=0.0).to(tl.float32)
         if BT == 1:
-            c = gemv_rows(b_w, b_s, b_b, p_x + g0 * GROUP, m_w, mask_lo, BITS, BLOCK_G)
+            c = gemv_rows(b_w, b_s, b_b, p_x + g0 * GROUP, m_w & (T > 0), mask_lo, BITS, BLOCK_G)
             acc += c[None, :]
         else:
             # A row at a time: the unpacked codes are common subexpressions across rows.
@@ -177,7 +202,7 @@ def _qgemv_kernel(
     T, N, K, stride_xt, stride_qn, stride_sn, stride_rt, stride_ot, mask_lo,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_G: tl.constexpr, SPLIT_K: tl.constexpr, HAS_RES: tl.constexpr,
-    groups_per_split: tl.constexpr,
+    groups_per_split: tl.constexpr, ON_CPU: tl.constexpr,
 ):  # fmt: skip
     i_n = tl.program_id(0)
     i_k = tl.program_id(1)
@@ -207,13 +232,13 @@ def _qgemv_kernel(
                 p_r = p_res + o_t[:, None] * stride_rt + o_n[None, :]
                 acc += tl.load(p_r, mask=m_tn, other=0.0).to(tl.float32)
             p_o = p_out + o_t[:, None] * stride_ot + o_n[None, :]
-            tl.store(p_o, acc.to(p_out.dtype.element_ty), mask=m_tn)
+            tl.store(p_o, cast_to(acc, p_out.dtype.element_ty, ON_CPU), mask=m_tn)
     else:
         if HAS_RES:
             p_r = p_res + o_t[:, None] * stride_rt + o_n[None, :]
             acc += tl.load(p_r, mask=m_tn, other=0.0).to(tl.float32)
         p_o = p_out + o_t[:, None] * stride_ot + o_n[None, :]
-        tl.store(p_o, acc.to(p_out.dtype.element_ty), mask=m_tn)
+        tl.store(p_o, cast_to(acc, p_out.dtype.element_ty, ON_CPU), mask=m_tn)
 
 
 @dataclass(frozen=True)
@@ -238,7 +263,7 @@ class GemvConfig:
 def mask_lo(bits: int) -> int:
     """Mantissa mask of a code's field; passed at run time so the compiler keeps it in a
     register and folds mask-and-or into one LOP3 (two immediates would take two)."""
-    return 0xF000 if bits == 4 else 0xFF00
+    return 0x78000 if bits == 4 else 0x7F8000
 
 
 def gemv_config(n: int, k: int, t: int, bits: int, group_size: int) -> GemvConfig:
@@ -322,7 +347,7 @@ def _launch_qgemv(
         out.stride(0), mask_lo(w.bits),
         BITS=w.bits, GROUP=w.group_size, BLOCK_T=block_t, BLOCK_N=cfg.block_n,
         BLOCK_G=cfg.block_g, SPLIT_K=split, HAS_RES=residual is not None,
-        groups_per_split=per_split, num_warps=cfg.num_warps,
+        groups_per_split=per_split, ON_CPU=x.device.type == "cpu", num_warps=cfg.num_warps,
     )  # fmt: skip
 
 

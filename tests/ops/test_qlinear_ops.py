@@ -1,0 +1,160 @@
+"""qgemv / qgemm against the plain-PyTorch reference (dequantize in fp32, matmul in fp32).
+
+On a machine without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1,
+set before lily.ops is imported); with CUDA they run on the GPU. Shapes are small and odd
+(N=96, K=192, T=13) so the interpreter stays fast. Bounds: bf16 outputs 1e-2 relative L2
+(bf16 rounding of weights, x and output is ~2e-3); fp32 outputs 2e-5 for the GEMV (fp32
+arithmetic throughout, ~2e-6 seen) and 1e-2 for the GEMM (bf16 weights on tensor cores).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+    # Kernels are built at import: drop copies imported before the interpreter was chosen.
+    for _m in [m for m in sys.modules if m.startswith("lily.ops")]:
+        del sys.modules[_m]
+
+from lily.ops.qgemm import GemmConfig, gemm_config, qgemm  # noqa: E402
+from lily.ops.qgemv import GemvConfig, gemv_config, qgemv  # noqa: E402
+from lily.ops.ref_linear import ref_qlinear  # noqa: E402
+from lily.quant import QuantWeight, quantize  # noqa: E402
+
+DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    assert torch.isfinite(a).all(), "output has NaN/inf (unwritten or bad values)"
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """Every torch.empty made while the test runs is filled with NaN (floats) or -1 (ints),
+    so any output element a kernel fails to write shows up."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real(*args, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else -1)
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def _weight(n: int, k: int, bits: int, gs: int, device: str, gen: torch.Generator) -> QuantWeight:
+    return quantize(torch.randn(n, k, generator=gen) / k**0.5, bits, gs).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "bits,gs,rows",
+    [(4, 64, 0), (4, 32, 0), (8, 64, 0), (8, 32, 0), (4, 64, 3), (8, 32, 2)],
+    ids=["4b-g64", "4b-g32", "8b-g64", "8b-g32", "4b-g64-rows3", "8b-g32-rows2"],
+)
+def test_qgemv_matches_reference(poison, device, bits, gs, rows):
+    gen = torch.Generator().manual_seed(100 * bits + gs + rows)
+    w = _weight(96, 192, bits, gs, device, gen)
+    shape = (192,) if rows == 0 else (rows, 192)
+    x = torch.randn(shape, generator=gen).bfloat16().to(device)
+    res = torch.randn((96,) if rows == 0 else (rows, 96), generator=gen).bfloat16().to(device)
+    y = qgemv(x, w, residual=res)
+    assert y.shape == res.shape and y.dtype == torch.bfloat16
+    assert rel_err(y, ref_qlinear(x, w, res)) < 1e-2
+    y32 = qgemv(x, w, out_dtype=torch.float32)
+    assert y32.dtype == torch.float32
+    assert rel_err(y32, ref_qlinear(x, w)) < 2e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "cfg",
+    [GemvConfig(8, 2, 3, 4), GemvConfig(16, 4, 2, 2), GemvConfig(32, 4, 1, 4)],
+    ids=["split3", "split2", "nosplit"],
+)
+def test_qgemv_tiles_and_split_k(poison, device, cfg):
+    """Split-K (fp32 partials summed by the last program) and tiles that do not divide N
+    or K (10 groups: uneven splits and masked steps)."""
+    gen = torch.Generator().manual_seed(7)
+    w = _weight(40, 320, 4, 32, device, gen)
+    x = torch.randn(2, 320, generator=gen).to(device)  # fp32 input, fp32 output
+    res = torch.randn(2, 40, generator=gen).to(device)
+    y = qgemv(x, w, residual=res, config=cfg)
+    assert rel_err(y, ref_qlinear(x, w, res)) < 2e-5
+
+
+def test_gemv_config_shapes():
+    """The tile table gives valid tiles and enough programs for the model's shapes."""
+    for n, k in [(8192, 2048), (4096, 2048), (32, 2048), (2048, 4096), (512, 2048),
+                 (248320, 2048), (256, 2048), (96, 192)]:  # fmt: skip
+        cfg = gemv_config(n, k, 1, 4, 64)
+        programs = -(-n // cfg.block_n) * cfg.split_k
+        assert programs >= min(256, n // 8), (n, k, cfg)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits,gs", [(4, 64), (4, 32), (8, 64)], ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    "cfg",
+    [None, GemmConfig(16, 32, 64), GemmConfig(32, 64, 128, 4, 2)],
+    ids=["table", "m16n32k64", "m32n64k128"],
+)
+def test_qgemm_matches_reference(poison, device, bits, gs, cfg):
+    gen = torch.Generator().manual_seed(bits * gs)
+    w = _weight(96, 192, bits, gs, device, gen)
+    x = torch.randn(13, 192, generator=gen).bfloat16().to(device)
+    y = qgemm(x, w, config=cfg)
+    assert y.shape == (13, 96) and y.dtype == torch.bfloat16
+    assert rel_err(y, ref_qlinear(x, w)) < 1e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_qgemm_precise_and_fp32_out(poison, device):
+    """``precise`` feeds the weight as two bf16 terms: only x's rounding is left."""
+    gen = torch.Generator().manual_seed(3)
+    w = _weight(40, 256, 8, 64, device, gen)
+    x = torch.randn(21, 256, generator=gen).bfloat16().to(device)
+    ref = ref_qlinear(x, w)
+    plain = rel_err(qgemm(x, w, out_dtype=torch.float32), ref)
+    precise = rel_err(qgemm(x, w, out_dtype=torch.float32, precise=True), ref)
+    assert precise < 1e-4 < plain < 1e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_qgemm_empty_and_table(device):
+    gen = torch.Generator().manual_seed(4)
+    w = _weight(32, 64, 4, 64, device, gen)
+    assert qgemm(torch.zeros(0, 64, device=device), w).shape == (0, 32)
+    for t in (1, 16, 40, 100, 2048):
+        cfg = gemm_config(t, 8192, 2048, 64)
+        assert cfg.block_k % 64 == 0 and cfg.block_m >= 16
+
+
+def test_bad_inputs_give_clear_errors():
+    gen = torch.Generator().manual_seed(5)
+    w = _weight(32, 64, 4, 32, "cpu", gen)
+    with pytest.raises(ValueError, match="inputs"):
+        qgemv(torch.randn(65).bfloat16(), w)
+    with pytest.raises(ValueError, match="rows"):
+        qgemv(torch.randn(9, 64).bfloat16(), w)
+    with pytest.raises(TypeError, match="dtype"):
+        qgemv(torch.randn(64).to(torch.float64), w)
+    with pytest.raises(ValueError, match="residual"):
+        qgemv(torch.randn(64).bfloat16(), w, residual=torch.zeros(31))
+    with pytest.raises(TypeError, match="QuantWeight"):
+        qgemm(torch.randn(4, 64), torch.randn(32, 64))
+    bad = QuantWeight(w.qweight, w.scales[:, :1], w.biases, 4, 32)
+    with pytest.raises(ValueError, match="scales shape"):
+        qgemm(torch.randn(4, 64), bad)
+    with pytest.raises(ValueError, match="3-bit"):
+        qgemv(torch.randn(64), QuantWeight(w.qweight, w.scales, w.biases, 3, 32))
+    with pytest.raises(ValueError, match="power of two"):
+        GemvConfig(12, 1)
+    with pytest.raises(ValueError, match=">= 16"):
+        GemmConfig(8, 64, 64)
