@@ -217,14 +217,16 @@ def _chunk_wy_kernel(
         b_r = b_a + tl.sum(b_a[:, None] * b_Y, 0)
         b_Y = tl.where(o_i[:, None] == i, b_r[None, :], b_Y)
     b_Ti = b_Y + tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
-    b_kd = b_k.to(tl.float32) * (b_b * tl.exp(b_gc))[:, None]
-    b_w = tl.dot(b_Ti, b_kd)
+    # w = T diag(beta exp(gc)) k and u = T diag(beta) v: the diagonals scale T's columns.
+    # NOTE: fp32 operands (tf32 on tensor cores): T rounded to bf16 doubled the state error;
+    # this kernel is parallel over chunks, off the sequential path, so the cost is small.
+    b_w = tl.dot((b_Ti * (b_b * tl.exp(b_gc))[None, :]), b_k.to(tl.float32))
     b_v = tl.load(
         y + o_t[:, None] * C + 2 * HK * K + i_h * VD + o_v[None, :],
         mask=m_t[:, None] & m_v[None, :],
         other=0.0,
-    ).to(tl.float32)
-    b_u = tl.dot(b_Ti, b_v * b_b[:, None])
+    )
+    b_u = tl.dot((b_Ti * b_b[None, :]), b_v.to(tl.float32))
     tl.store(
         w + (o_t[:, None] * HV + i_h) * K + o_k[None, :],
         b_w.to(w.dtype.element_ty),
@@ -270,6 +272,7 @@ def _chunk_scan_kernel(
     m_s = m_k[:, None] & m_v[None, :]
     b_S = tl.load(p_s, mask=m_s, other=0.0)
     causal = o_i[:, None] >= o_i[None, :]
+    dt = y.dtype.element_ty
     if FUSE_NORM:
         b_nw = tl.load(norm_w + o_v, mask=m_v, other=0.0).to(tl.float32)
     for i_c in range(tl.cdiv(T, BT)):
@@ -286,13 +289,16 @@ def _chunk_scan_kernel(
             mask=m_t[:, None] & m_v[None, :],
             other=0.0,
         ).to(tl.float32)
+        # products on the tensor cores in the input dtype (S rounded to it, as is common);
+        # the decays scale rows of the small results rather than copies of q and k
+        b_Sd = b_S.to(dt)
         # what the state at the chunk start already predicts is removed: the delta rule
-        b_vn = b_u - tl.dot(b_w.to(tl.float32), b_S)
+        b_vn = b_u - tl.dot(b_w, b_Sd)
         b_qk = tl.dot(b_q, tl.trans(b_k))
         b_qk = tl.where(
             causal, b_qk * tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], 0.0)), 0.0
         )
-        b_o = tl.dot(b_q.to(tl.float32) * tl.exp(b_gc)[:, None], b_S) + tl.dot(b_qk, b_vn)
+        b_o = tl.dot(b_q, b_Sd) * tl.exp(b_gc)[:, None] + tl.dot(b_qk.to(dt), b_vn.to(dt))
         m_tv = m_t[:, None] & m_v[None, :]
         off = o_t[:, None] * (HV * VD) + i_h * VD + o_v[None, :]
         if FUSE_NORM:  # gated RMSNorm, inline (see the NOTE in _scan_kernel)
@@ -300,8 +306,8 @@ def _chunk_scan_kernel(
             b_r = tl.rsqrt(tl.sum(b_o * b_o, 1) / VD + eps)
             b_o = b_o * b_r[:, None] * b_nw[None, :] * b_z / (1.0 + tl.exp(-b_z))
         tl.store(o_buf + off, b_o.to(o_buf.dtype.element_ty), mask=m_tv)
-        b_kd = b_k.to(tl.float32) * tl.exp(b_gl - b_gc)[:, None]
-        b_S = b_S * tl.exp(b_gl) + tl.dot(tl.trans(b_kd), b_vn)
+        b_vd = (b_vn * tl.exp(b_gl - b_gc)[:, None]).to(dt)
+        b_S = b_S * tl.exp(b_gl) + tl.dot(tl.trans(b_k), b_vd)
     tl.store(p_s, b_S, mask=m_s)
 
 
@@ -414,7 +420,8 @@ def deltanet_prefill(
 
     # 2. the recurrence (+ the norm when a program sees whole heads)
     if block_v is None:
-        block_v = 16 if method == "scan" else 64
+        # no register spills at the real shapes (K = Vd = 128, sm_90): see mixer_kernels.md
+        block_v = 16 if method == "scan" else 32
     # tl.dot needs 16 columns at least (chunk form); the token scan takes any block
     bv = min(max(triton.next_power_of_2(block_v), 16 if method == "chunk" else 1), bvd)
     nv = triton.cdiv(vd, bv)
@@ -480,6 +487,7 @@ def deltanet_prefill(
             BV=bv,
             FUSE_NORM=fuse,
             num_warps=num_warps or (8 if bv * bk >= 128 * 128 else 4),
+            num_stages=2,  # prefetch the next chunk; a third stage only costs shared memory
         )
     if not fuse:
         out = gated_rmsnorm(o_buf, z, norm_weight, eps, mixed_qkv.dtype)

@@ -5,8 +5,10 @@ On a machine without CUDA the Triton kernels run under TRITON_INTERPRET=1 on sma
 shapes (Hk=2, Hv=4, K=32, Vd=48: not powers of two, so every mask is exercised); with CUDA
 they run compiled on the GPU. Outputs the kernels must write are NaN-poisoned. Error bounds
 (relative L2): fp32 inputs 1e-5 (rounding only; 5e-3 where a GPU's tensor cores take fp32
-products as tf32); bf16 inputs 1.5e-2 (bf16 storage of q, k, v, the output and, in the
-chunked form, of w and u and the tensor-core products).
+products as tf32); bf16 inputs 1.5e-2 on outputs (bf16 storage of q, k, v and the output),
+2e-2 on states (the chunked form also rounds w, u and the operands of its tensor-core
+products to bf16: about twice the token scan's state error, measured 1.2e-2, not growing
+over 300 tokens).
 """
 
 from __future__ import annotations
@@ -315,7 +317,7 @@ def test_prefill_matches_reference(device, method, chunk_size, block_v):
     out, cs, st = run_prefill(d, method, chunk_size=chunk_size, block_v=block_v)
     assert out.shape == (37, 4 * 48) and out.dtype == torch.bfloat16
     assert rel(out, ref_out) < 1.5e-2
-    assert rel(st, ref_st) < 1.5e-2
+    assert rel(st, ref_st) < 2e-2
     assert torch.equal(cs.cpu().float(), ref_cs.to(torch.bfloat16).float())
 
 
@@ -341,7 +343,7 @@ def test_prefill_after_earlier_chunks_equals_one_shot(device, split):
         outs.append(run_prefill(d, "chunk", cs, st, slice(s, s + n), chunk_size=16)[0])
         s += n
     assert rel(torch.cat(outs), ref_out) < 1.5e-2
-    assert rel(st, ref_st) < 1.5e-2
+    assert rel(st, ref_st) < 2e-2
     assert torch.equal(cs.cpu().float(), ref_cs.to(torch.bfloat16).float())
 
 
