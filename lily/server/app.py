@@ -151,8 +151,15 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{param}: {msg}" if param else msg), param
 
 
-def create_app(load_engine: Callable[[], Any], settings: Settings) -> FastAPI:
-    """The app; ``load_engine`` runs in a background thread at startup."""
+def create_app(
+    load_engine: Callable[[], Any],
+    settings: Settings,
+    on_load_failure: Callable[[], None] | None = None,
+) -> FastAPI:
+    """The app; ``load_engine`` runs in a background thread at startup.
+
+    If loading fails, /health stays 503 and ``on_load_failure`` (if given) is called.
+    """
     ctx = Context(settings)
 
     async def lifespan(app: FastAPI):  # noqa: ANN202
@@ -163,6 +170,8 @@ def create_app(load_engine: Callable[[], Any], settings: Settings) -> FastAPI:
             except Exception as e:
                 log.exception("loading the model failed")
                 ctx.status, ctx.error = "failed", f"{type(e).__name__}: {e}"
+                if on_load_failure is not None:
+                    on_load_failure()
 
         threading.Thread(target=load, name="lily-load", daemon=True).start()
         yield
@@ -333,7 +342,20 @@ def run_server(args: argparse.Namespace, load_engine: Callable[[], Any] | None =
     if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_keys:
         log.warning("serving on %s without an API key: anyone who can reach it may use it",
                     args.host)  # fmt: skip
-    app = create_app(load_engine, settings)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)  # fmt: skip
-    return 0
+    failed = threading.Event()
+    server: Any = None
+
+    def stop_on_failure() -> None:
+        # A server without a model is of no use: shut uvicorn down and exit non-zero.
+        failed.set()
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(load_engine, settings, on_load_failure=stop_on_failure)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5)  # fmt: skip
+    server = uvicorn.Server(config)
+    if failed.is_set():
+        return 1
+    server.run()
+    return 1 if failed.is_set() else 0

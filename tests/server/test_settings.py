@@ -40,3 +40,18 @@ def test_keys_from_flags_and_file(tmp_path):
 def test_bad_flags_name_the_flag(argv, flag):
     with pytest.raises(ValueError, match=flag):
         settings_from_args(parse(*argv))
+
+
+def test_a_model_that_fails_to_load_ends_the_server(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.server.conftest import ROOT, free_port
+
+    (tmp_path / "config.json").write_text("{}")  # no model_type: the load fails
+    r = subprocess.run(
+        [sys.executable, "-m", "lily.cli", "serve", "--model", str(tmp_path),
+         "--port", str(free_port())],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 1 and "model_type" in r.stderr
