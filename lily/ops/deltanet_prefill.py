@@ -187,6 +187,7 @@ def _chunk_wy_kernel(
     BT: tl.constexpr,
     BK: tl.constexpr,
     BVD: tl.constexpr,
+    NSQ: tl.constexpr,
 ):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     C: tl.constexpr = 2 * HK * K + HV * VD
@@ -206,17 +207,38 @@ def _chunk_wy_kernel(
         mask=m_t[:, None] & m_k[None, :],
         other=0.0,
     )
-    # A[i, j] = beta_i (k_i . k_j) exp(gc_i - gc_j) for j < i: the system is (I + A) X = RHS
-    lower = o_i[:, None] > o_i[None, :]
-    b_A = tl.dot(b_k, tl.trans(b_k)) * b_b[:, None]
-    b_A = tl.where(lower, b_A * tl.exp(tl.where(lower, b_gc[:, None] - b_gc[None, :], 0.0)), 0.0)
-    # forward substitution for (I + A)^-1 = I + Y, one row at a time (row i needs rows < i)
-    b_Y = tl.zeros([BT, BT], dtype=tl.float32)
-    for i in range(1, BT):
-        b_a = -tl.sum(tl.where(o_i[:, None] == i, b_A, 0.0), 0)
-        b_r = b_a + tl.sum(b_a[:, None] * b_Y, 0)
-        b_Y = tl.where(o_i[:, None] == i, b_r[None, :], b_Y)
-    b_Ti = b_Y + tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
+    # A[i, j] = beta_i (k_i . k_j) exp(gc_i - gc_j) for j < i; T = (I + A)^-1, in two steps:
+    # 1. X_D, the inverse of the 16x16 diagonal blocks, by forward substitution: step r
+    #    does row r of every block at once (their coefficients sit in disjoint columns).
+    #    The loop reads A transposed (At[j, i] = A[i, j]; k k^T is symmetric), so a row of A
+    #    comes out of an in-warp reduction already laid out along the rows of X.
+    # 2. with A_O the blocks below the diagonal and M = X_D A_O (nilpotent),
+    #    T = (I + M)^-1 X_D = (I - M)(I + M^2)(I + M^4)... X_D, a few products.
+    o_b = o_i // 16
+    same = o_b[:, None] == o_b[None, :]
+    eye = o_i[:, None] == o_i[None, :]
+    b_kk = tl.dot(b_k, tl.trans(b_k))
+    up = same & (o_i[None, :] > o_i[:, None])
+    b_At = tl.where(
+        up, b_kk * b_b[None, :] * tl.exp(tl.where(up, b_gc[None, :] - b_gc[:, None], 0.0)), 0.0
+    )
+    b_Ti = tl.where(eye, 1.0, 0.0)
+    for r in range(1, 16):
+        b_a = tl.sum(tl.where((o_i % 16 == r)[None, :], b_At, 0.0), 1)
+        b_r = tl.sum(b_a[:, None] * b_Ti, 0)
+        b_Ti = tl.where(
+            (o_i % 16 == r)[:, None] & same, tl.where(eye, 1.0, 0.0) - b_r[None, :], b_Ti
+        )
+    if BT > 16:
+        lo = o_b[:, None] > o_b[None, :]
+        b_Ao = tl.where(
+            lo, b_kk * b_b[:, None] * tl.exp(tl.where(lo, b_gc[:, None] - b_gc[None, :], 0.0)), 0.0
+        )
+        b_M = tl.dot(b_Ti, b_Ao)
+        b_Ti = b_Ti - tl.dot(b_M, b_Ti)
+        for _ in tl.static_range(NSQ):
+            b_M = tl.dot(b_M, b_M)
+            b_Ti = b_Ti + tl.dot(b_M, b_Ti)
     # w = T diag(beta exp(gc)) k and u = T diag(beta) v: the diagonals scale T's columns.
     # NOTE: fp32 operands (tf32 on tensor cores): T rounded to bf16 doubled the state error;
     # this kernel is parallel over chunks, off the sequential path, so the cost is small.
@@ -465,6 +487,7 @@ def deltanet_prefill(
             BT=chunk_size,
             BK=bk,
             BVD=bvd,
+            NSQ=max(0, (chunk_size // 16).bit_length() - 2),  # squarings: M^(BT/16) = 0
             num_warps=4,
         )
         _chunk_scan_kernel[(nv, hv)](
