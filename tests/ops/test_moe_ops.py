@@ -56,7 +56,8 @@ def make_moe(e: int, bits: int, gs: int, shared: bool, seed: int, device: str) -
         return quantize(torch.randn(shape, generator=g) / shape[-1] ** 0.5, b, gs).to(device)
 
     w = {
-        "router": quantize(torch.randn(e, D, generator=g), 8, gs).to(device),
+        # Logits of order 1: a soft softmax, so every routing weight matters.
+        "router": quantize(torch.randn(e, D, generator=g) / D**0.5, 8, gs).to(device),
         "gate": q((e, I_E, D)),
         "up": q((e, I_E, D)),
         "down": q((e, D, I_E)),
