@@ -249,7 +249,7 @@ def create_app(
             return StreamingResponse(
                 run_stream(p, c, model), media_type="text/event-stream", headers=headers
             )
-        return JSONResponse(await run_full(p, c, model, request.is_disconnected))
+        return JSONResponse(await run_full(p, c, model, request.receive))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,15 +196,8 @@ def prepare_completion(req: CompletionRequest, ctx: Any, request_id: str) -> Pre
     )
 
 
-async def events(
-    job: Job, keepalive: float | None, disconnected: Callable[[], Awaitable[bool]] | None = None
-) -> AsyncIterator[tuple[str, Any]]:
-    """The job's events; ("keepalive", None) when nothing came for ``keepalive`` seconds.
-
-    ``disconnected`` (non-streaming requests) is polled meanwhile: a client that went away
-    cancels its job.
-    """
-    wait = keepalive if disconnected is None else 0.5
+async def events(job: Job, keepalive: float | None) -> AsyncIterator[tuple[str, Any]]:
+    """The job's events; ("keepalive", None) when nothing came for ``keepalive`` seconds."""
     # NOTE: one pending get() is kept across timeouts; cancelling it on every timeout (as
     # asyncio.wait_for does) could drop an event that arrives at that very moment.
     getter: asyncio.Future | None = None
@@ -212,12 +205,8 @@ async def events(
         while True:
             if getter is None:
                 getter = asyncio.ensure_future(job.out.get())
-            done, _ = await asyncio.wait({getter}, timeout=wait)
+            done, _ = await asyncio.wait({getter}, timeout=keepalive)
             if not done:
-                if disconnected is not None:
-                    if await disconnected():
-                        raise asyncio.CancelledError
-                    continue
                 yield "keepalive", None
                 continue
             kind, value = getter.result()
@@ -301,10 +290,11 @@ async def run_stream(p: Prepared, ctx: Any, model: str) -> AsyncIterator[str]:
         ctx.scheduler.cancel(job)  # no-op when finished; frees the engine on disconnect
 
 
-async def run_full(
-    p: Prepared, ctx: Any, model: str, disconnected: Callable[[], Awaitable[bool]]
-) -> dict[str, Any]:
-    """The whole response as one object; raises ApiError on an engine fault."""
+async def run_full(p: Prepared, ctx: Any, model: str, receive: Callable) -> dict[str, Any]:
+    """The whole response as one object; raises ApiError on an engine fault.
+
+    ``receive`` is the request's ASGI receive: a disconnect cancels the job.
+    """
     job = p.job
     eos = set(ctx.engine.tokenizer.eos_token_ids)
     out = ChatOutput(ctx.engine.tokenizer, p.reasoning_mode, p.tools, p.logprobs, eos)
@@ -312,8 +302,16 @@ async def run_full(
     text, reason, usage = "", None, None
     lps: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                             "text_offset": []}  # fmt: skip
+
+    async def watch() -> None:
+        # NOTE: the body is read, so the next ASGI message is the client going away.
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        ctx.scheduler.cancel(job)
+
+    watcher = asyncio.ensure_future(watch())
     try:
-        async for kind, value in events(job, None, disconnected):
+        async for kind, value in events(job, None):
             if kind == "error":
                 raise engine_error(value)
             if kind == "step":
@@ -337,6 +335,7 @@ async def run_full(
             elif kind == "done":
                 usage = value
     finally:
+        watcher.cancel()
         ctx.scheduler.cancel(job)
     maker = ChunkMaker(p.kind, model, False)
     if p.kind == "chat":
