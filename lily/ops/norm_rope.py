@@ -42,8 +42,10 @@ def silu(x):
 def rope_cos_sin(pos, freq):
     """cos and sin of ``pos * freq`` (fp32 product, like the reference) with exact range reduction.
 
-    NOTE: Triton's fp32 sin/cos use the approximate hardware instructions, which are only
-    accurate near [-pi, pi]; angles reach 2.6e5 rad at long contexts, so reduce in fp64 first.
+    NOTE: angles reach 2.6e5 rad at long contexts. Reducing them in fp64 first keeps the
+    result independent of how a backend's fp32 sin/cos treat large arguments (approximate
+    hardware instructions are only accurate near [-pi, pi]; libdevice, which Triton's CUDA
+    backend calls, takes a slow exact path there).
     """
     ang = pos.to(tl.float32) * freq
     a64 = ang.to(tl.float64)
