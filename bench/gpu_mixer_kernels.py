@@ -14,6 +14,9 @@ the engine's captured step; ``triton.testing.do_bench`` medians, L2 flushed betw
 4. attention prefill TFLOP/s at a few chunk/context sizes.
 A configuration that fails (too many resources, say) becomes a row with its error. Prints
 compact tables (again all together at the end); the JSON holds every number.
+
+Without a GPU, ``--compile-only`` compiles the same configurations for sm_90 and prints
+registers, spilled stack bytes and shared memory per kernel (seconds, no device time).
 """
 
 from __future__ import annotations
@@ -106,16 +109,17 @@ DN_ARGS = DN_INPUTS + ("conv_weight", "conv_state", "A_log", "dt_bias", "norm_we
 
 def dn_inputs(t: int, gen: torch.Generator) -> dict:
     """One layer's inputs for T tokens, in the ranges the model produces."""
+    dev = gen.device
 
     def rnd(*shape, scale=1.0, dtype=BF16):
-        return (torch.randn(*shape, generator=gen, device=DEV) * scale).to(dtype)
+        return (torch.randn(*shape, generator=gen, device=dev) * scale).to(dtype)
 
     f32 = torch.float32
     return {
         "mixed_qkv": rnd(t, C), "z": rnd(t, HV * VD), "b": rnd(t, HV), "a": rnd(t, HV),
         "conv_weight": rnd(C, W, scale=0.5), "conv_state": rnd(W - 1, C),
         "A_log": rnd(HV, scale=0.5, dtype=f32), "dt_bias": rnd(HV, dtype=f32),
-        "norm_weight": (torch.rand(VD, generator=gen, device=DEV) + 0.5).to(BF16),
+        "norm_weight": (torch.rand(VD, generator=gen, device=dev) + 0.5).to(BF16),
         "state": rnd(HV, K, VD, scale=0.05, dtype=f32),
     }  # fmt: skip
 
@@ -198,15 +202,16 @@ ATTN_ARGS = ("qg", "k", "v", "q_norm", "k_norm", "k_cache", "v_cache")
 
 def attn_inputs(t: int, t_max: int, gen: torch.Generator, filled: int) -> dict:
     """Projections of T tokens and caches of T_max rows, the first ``filled`` random."""
+    dev = gen.device
 
     def rnd(*shape):
-        return torch.randn(*shape, generator=gen, device=DEV).to(BF16)
+        return torch.randn(*shape, generator=gen, device=dev).to(BF16)
 
     d = {"qg": rnd(t, H * 2 * DH), "k": rnd(t, HKV * DH), "v": rnd(t, HKV * DH)}
     for name in ("q_norm", "k_norm"):
-        d[name] = (torch.rand(DH, generator=gen, device=DEV) + 0.5).to(BF16)
+        d[name] = (torch.rand(DH, generator=gen, device=dev) + 0.5).to(BF16)
     for name in ("k_cache", "v_cache"):
-        d[name] = torch.zeros(HKV, t_max, DH, device=DEV, dtype=BF16)
+        d[name] = torch.zeros(HKV, t_max, DH, device=dev, dtype=BF16)
         d[name][:, :filled] = rnd(HKV, filled, DH)
     return d
 
@@ -272,6 +277,94 @@ def attn_prefill(gen: torch.Generator, mm_tflops: float) -> list[dict]:
     return rows
 
 
+# ----------------------------------------------------------------------------- compile
+
+
+def compile_report() -> list[dict]:
+    """Compile every timed configuration for sm_90 on this machine (no GPU needed) and read
+    what ptxas gave each kernel: registers, stack bytes (spills) and shared memory.
+
+    The public functions run on CPU tensors of the real shapes with kernel launches
+    intercepted, so the kernels see exactly the arguments their launchers pass.
+    """
+    import re
+    import tempfile
+    from pathlib import Path
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    launches = []
+    launch = JITFunction.__getitem__
+    JITFunction.__getitem__ = lambda fn, grid: lambda *a, **kw: launches.append((fn, a, kw))
+    try:
+        gen = torch.Generator().manual_seed(0)
+        d = dn_inputs(1, gen)
+        for block_v, warps in DN_DECODE_CONFIGS:
+            launches.append(f"block_v={block_v} warps={warps}")
+            deltanet_decode(*dn_args(d, 0), block_v=block_v, num_warps=warps)
+        d = dn_inputs(512, gen)
+        for method, block_v in DN_PREFILL_CONFIGS:
+            launches.append(f"{method} block_v={block_v}")
+            deltanet_prefill(*dn_args(d), method=method, block_v=block_v)
+        inv_freq = rope_inv_freq(R, THETA)
+        d = attn_inputs(1, 4096, gen, 4095)
+        for split in (0, 256):
+            launches.append(f"split={split}")
+            attention_decode(*attn_args(d, 0), torch.tensor([4095]), inv_freq, split=split)
+        d = attn_inputs(512, 512, gen, 0)
+        for bm, bn, warps in ATTN_PREFILL_CONFIGS:
+            launches.append(f"block_m={bm} block_n={bn} warps={warps}")
+            attention_prefill(*attn_args(d), 0, inv_freq, block_m=bm, block_n=bn, num_warps=warps)
+    finally:
+        JITFunction.__getitem__ = launch
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    types = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32",
+             torch.int64: "*i64"}  # fmt: skip
+    rows, seen, label = [], set(), ""
+    for item in launches:
+        if isinstance(item, str):
+            label = item
+            continue
+        fn, args, kw = item
+        const = {k: v for k, v in kw.items() if k in fn.arg_names}
+        opts = {"num_warps": kw.get("num_warps", 4), "num_stages": kw.get("num_stages", 3)}
+        key = (fn.__name__, tuple(sorted(const.items())), tuple(opts.values()))
+        if key in seen:
+            continue
+        seen.add(key)
+        sig, attrs = {}, {}
+        for i, (name, v) in enumerate(zip(fn.arg_names, args, strict=False)):
+            if isinstance(v, torch.Tensor):
+                sig[name] = types[v.dtype]
+                aligned = v.data_ptr() % 16 == 0
+            else:
+                sig[name] = "fp32" if isinstance(v, float) else "i32"
+                aligned = isinstance(v, int) and v % 16 == 0
+            if aligned:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        sig.update({k: "constexpr" for k in const})
+        row = {"kernel": fn.__name__, "config": label, **opts}
+        try:
+            src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
+            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(k.asm["cubin"])
+                f.flush()
+                res = subprocess.run([str(cuobjdump), "-res-usage", f.name], text=True,
+                                     capture_output=True).stdout  # fmt: skip
+            m = re.search(r"REG:(\d+) STACK:(\d+)", res)
+            ptx = k.asm["ptx"]
+            row.update(regs=int(m[1]), stack=int(m[2]), smem=k.metadata.shared,
+                       wgmma=ptx.count("wgmma.mma_async"), mma=ptx.count("mma.sync"))  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - a config that does not compile is data
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        rows.append(row)
+    return rows
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -312,7 +405,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/gpu_mixer_kernels.json", help="JSON results path")
     ap.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections")
+    ap.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="no GPU: compile for sm_90 and report registers, spills, shared memory",
+    )
     args = ap.parse_args()
+    if args.compile_only:
+        keys = ["kernel", "config", "num_warps", "num_stages", "regs", "stack", "smem", "wgmma",
+                "mma"]  # fmt: skip
+        print(table(compile_report(), keys))
+        return
     names = args.only.split(",")
     unknown = [n for n in names if n not in SECTIONS]
     if unknown:
