@@ -95,7 +95,7 @@ def test_full_queue_gives_429_with_retry_after(slow):
 
 
 def test_keepalive_comments_while_queued(slow):
-    body = {"messages": MSGS, "max_tokens": 12, "ignore_eos": True, "stream": True}
+    body = {"messages": MSGS, "max_tokens": 30, "ignore_eos": True, "stream": True}
     first = slow.send(slow.build_request("POST", "/v1/chat/completions", json=body), stream=True)
     try:
         next(first.iter_lines())
@@ -104,7 +104,7 @@ def test_keepalive_comments_while_queued(slow):
     finally:
         first.close()
     before_data = raw.split("data: ")[1:3]  # after the role chunk, before the first token
-    assert ": keep-alive" in before_data[0]
+    assert ": keep-alive" in before_data[0], raw
     assert raw.rstrip().endswith("data: [DONE]")
 
 
