@@ -26,6 +26,9 @@ try:
 
     if not _torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+        from triton_interp import fix_triton_interpreter
+
+        fix_triton_interpreter()
 except ImportError:  # pragma: no cover
     pass
 

@@ -144,6 +144,7 @@ class Engine:
                 self.reset()
             raise
 
+    @torch.inference_mode()
     def prefill(self, prompt: list[int], usage: Usage | None = None) -> torch.Tensor:
         """Bring the working state to the end of ``prompt``, reusing what it can.
 

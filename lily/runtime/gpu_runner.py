@@ -169,7 +169,9 @@ class GpuRunner(Runner):
         """The captured step for this state's buffers and context bucket."""
         bucket = self._bucket(start, state)
         ptrs = tuple(c.k.data_ptr() for c in state.kv.values())
+        ptrs += tuple(c.v.data_ptr() for c in state.kv.values())
         ptrs += tuple(s.recurrent.data_ptr() for s in state.deltanet.values())
+        ptrs += tuple(s.conv.data_ptr() for s in state.deltanet.values())
         key = (bucket, ptrs)
         if key not in self.graphs:
             if len(self.graphs) > 16:  # buffers moved (new state): old graphs are dead
