@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lily.checkpoint import TINY_TEXT_CONFIG, write_random_checkpoint
 from lily.config import ModelConfig
 from lily.model.model import Model
 from lily.runtime.gpu_runner import GpuRunner
@@ -27,12 +28,15 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.fixture(scope="module")
-def models(mlx4_dir):
-    cfg = ModelConfig.from_dir(mlx4_dir)
-    ref = Model(cfg, load_params(mlx4_dir, cfg, device=DEVICE, dtype=torch.float32,
-                                 progress=False), torch.float32)  # fmt: skip
-    fast = Model(cfg, load_params(mlx4_dir, cfg, device=DEVICE, dtype=torch.bfloat16,
-                                  progress=False), torch.bfloat16)  # fmt: skip
+def models(tmp_path_factory):
+    # Both sides are ours here, so the checkpoint comes from our own MLX-layout writer.
+    d = tmp_path_factory.mktemp("kernel-runner")
+    write_random_checkpoint(d, TINY_TEXT_CONFIG, "mlx4", seed=3, progress=False)
+    cfg = ModelConfig.from_dir(d)
+    ref = Model(cfg, load_params(d, cfg, device=DEVICE, dtype=torch.float32, progress=False),
+                torch.float32)  # fmt: skip
+    fast = Model(cfg, load_params(d, cfg, device=DEVICE, dtype=torch.bfloat16, progress=False),
+                 torch.bfloat16)  # fmt: skip
     return ref, fast
 
 
