@@ -30,32 +30,10 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attn_decode_kernel(
-    qg,
-    k,
-    v,
-    q_norm,
-    k_norm,
-    inv_freq,
-    k_cache,
-    v_cache,
-    p_pos,
-    out,
-    o_part,
-    lse_part,
-    eps,
-    sm_scale,
-    T_MAX,
-    NB,
-    split,
-    H: tl.constexpr,
-    HKV: tl.constexpr,
-    DH: tl.constexpr,
-    R: tl.constexpr,
-    GP: tl.constexpr,
-    BD: tl.constexpr,
-    BN: tl.constexpr,
-    IS_SPLIT: tl.constexpr,
-):
+    qg, k, v, q_norm, k_norm, inv_freq, k_cache, v_cache, p_pos, out, o_part, lse_part, eps,
+    sm_scale, T_MAX, NB, split, H: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr,
+    R: tl.constexpr, GP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, IS_SPLIT: tl.constexpr,
+):  # fmt: skip
     i_kvh, i_s = tl.program_id(0), tl.program_id(1)
     G: tl.constexpr = H // HKV
     pos = tl.load(p_pos).to(tl.int32)
@@ -142,19 +120,9 @@ def _attn_decode_kernel(
 
 @triton.jit
 def _combine_kernel(
-    qg,
-    p_pos,
-    o_part,
-    lse_part,
-    out,
-    NB,
-    split,
-    H: tl.constexpr,
-    HKV: tl.constexpr,
-    DH: tl.constexpr,
-    BB: tl.constexpr,
-    BD: tl.constexpr,
-):
+    qg, p_pos, o_part, lse_part, out, NB, split, H: tl.constexpr, HKV: tl.constexpr,
+    DH: tl.constexpr, BB: tl.constexpr, BD: tl.constexpr,
+):  # fmt: skip
     i_h = tl.program_id(0)
     G: tl.constexpr = H // HKV
     i_kvh, i_g = i_h // G, i_h % G

@@ -27,26 +27,10 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _prep_kernel(
-    qg,
-    k,
-    v,
-    q_norm,
-    k_norm,
-    inv_freq,
-    p_start,
-    q_buf,
-    k_cache,
-    v_cache,
-    T,
-    T_MAX,
-    eps,
-    H: tl.constexpr,
-    HKV: tl.constexpr,
-    DH: tl.constexpr,
-    R: tl.constexpr,
-    BT: tl.constexpr,
+    qg, k, v, q_norm, k_norm, inv_freq, p_start, q_buf, k_cache, v_cache, T, T_MAX, eps,
+    H: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, R: tl.constexpr, BT: tl.constexpr,
     BD: tl.constexpr,
-):
+):  # fmt: skip
     i_t, i_g = tl.program_id(0), tl.program_id(1)
     start = tl.load(p_start).to(tl.int32)
     o_t = i_t * BT + tl.arange(0, BT)
@@ -84,22 +68,9 @@ def _prep_kernel(
 
 @triton.jit
 def _flash_kernel(
-    qg,
-    q_buf,
-    k_cache,
-    v_cache,
-    p_start,
-    out,
-    T,
-    T_MAX,
-    sm_scale,
-    H: tl.constexpr,
-    HKV: tl.constexpr,
-    DH: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    BD: tl.constexpr,
-):
+    qg, q_buf, k_cache, v_cache, p_start, out, T, T_MAX, sm_scale, H: tl.constexpr,
+    HKV: tl.constexpr, DH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+):  # fmt: skip
     i_m, i_kvh = tl.program_id(0), tl.program_id(1)
     G: tl.constexpr = H // HKV
     BMT: tl.constexpr = BM // G  # tokens per program

@@ -70,32 +70,10 @@ def deltanet_gates(b_b, b_a, b_alog, b_dtb):
 
 @triton.jit
 def _deltanet_decode_kernel(
-    x,
-    z,
-    b,
-    a,
-    conv_w,
-    conv_state,
-    A_log,
-    dt_bias,
-    norm_w,
-    state,
-    out,
-    o_buf,
-    counters,
-    q_scale,
-    eps,
-    HK: tl.constexpr,
-    HV: tl.constexpr,
-    K: tl.constexpr,
-    VD: tl.constexpr,
-    W: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-    BVD: tl.constexpr,
-    WP: tl.constexpr,
-    NV: tl.constexpr,
-):
+    x, z, b, a, conv_w, conv_state, A_log, dt_bias, norm_w, state, out, o_buf, counters, q_scale,
+    eps, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, VD: tl.constexpr, W: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BVD: tl.constexpr, WP: tl.constexpr, NV: tl.constexpr,
+):  # fmt: skip
     i_v, i_h = tl.program_id(0), tl.program_id(1)
     G: tl.constexpr = HV // HK
     C: tl.constexpr = 2 * HK * K + HV * VD

@@ -32,27 +32,10 @@ Tensor = torch.Tensor
 
 @triton.jit
 def _prep_kernel(
-    x,
-    conv_w,
-    conv_state,
-    b,
-    a,
-    A_log,
-    dt_bias,
-    y,
-    g,
-    beta,
-    T,
-    q_scale,
-    HK: tl.constexpr,
-    HV: tl.constexpr,
-    K: tl.constexpr,
-    VD: tl.constexpr,
-    W: tl.constexpr,
-    BT: tl.constexpr,
-    BC: tl.constexpr,
-    WP: tl.constexpr,
-):
+    x, conv_w, conv_state, b, a, A_log, dt_bias, y, g, beta, T, q_scale, HK: tl.constexpr,
+    HV: tl.constexpr, K: tl.constexpr, VD: tl.constexpr, W: tl.constexpr, BT: tl.constexpr,
+    BC: tl.constexpr, WP: tl.constexpr,
+):  # fmt: skip
     i_t, i_g = tl.program_id(0), tl.program_id(1)
     C: tl.constexpr = 2 * HK * K + HV * VD
     # program roles: i_g < HK a q head, < 2*HK a k head, else a v head (width VD)
@@ -120,23 +103,9 @@ def _prep_kernel(
 
 @triton.jit
 def _scan_kernel(
-    y,
-    g,
-    beta,
-    state,
-    z,
-    norm_w,
-    o_buf,
-    T,
-    eps,
-    HK: tl.constexpr,
-    HV: tl.constexpr,
-    K: tl.constexpr,
-    VD: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-    FUSE_NORM: tl.constexpr,
-):
+    y, g, beta, state, z, norm_w, o_buf, T, eps, HK: tl.constexpr, HV: tl.constexpr,
+    K: tl.constexpr, VD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FUSE_NORM: tl.constexpr,
+):  # fmt: skip
     i_v, i_h = tl.program_id(0), tl.program_id(1)
     C: tl.constexpr = 2 * HK * K + HV * VD
     i_kh = i_h // (HV // HK)
@@ -174,21 +143,9 @@ def _scan_kernel(
 
 @triton.jit
 def _chunk_wy_kernel(
-    y,
-    g,
-    beta,
-    w,
-    u,
-    T,
-    HK: tl.constexpr,
-    HV: tl.constexpr,
-    K: tl.constexpr,
-    VD: tl.constexpr,
-    BT: tl.constexpr,
-    BK: tl.constexpr,
-    BVD: tl.constexpr,
-    NSQ: tl.constexpr,
-):
+    y, g, beta, w, u, T, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, VD: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BVD: tl.constexpr, NSQ: tl.constexpr,
+):  # fmt: skip
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     C: tl.constexpr = 2 * HK * K + HV * VD
     i_kh = i_h // (HV // HK)
@@ -263,25 +220,10 @@ def _chunk_wy_kernel(
 
 @triton.jit
 def _chunk_scan_kernel(
-    y,
-    g,
-    w,
-    u,
-    state,
-    z,
-    norm_w,
-    o_buf,
-    T,
-    eps,
-    HK: tl.constexpr,
-    HV: tl.constexpr,
-    K: tl.constexpr,
-    VD: tl.constexpr,
-    BT: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
+    y, g, w, u, state, z, norm_w, o_buf, T, eps, HK: tl.constexpr, HV: tl.constexpr,
+    K: tl.constexpr, VD: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     FUSE_NORM: tl.constexpr,
-):
+):  # fmt: skip
     i_v, i_h = tl.program_id(0), tl.program_id(1)
     C: tl.constexpr = 2 * HK * K + HV * VD
     i_kh = i_h // (HV // HK)

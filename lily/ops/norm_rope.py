@@ -57,17 +57,8 @@ def rope_cos_sin(pos, freq):
 
 @triton.jit
 def rms_rope_rows(
-    p_x,
-    row_off,
-    row_mask,
-    p_w,
-    p_f,
-    pos,
-    eps,
-    D: tl.constexpr,
-    R: tl.constexpr,
-    BD: tl.constexpr,
-):
+    p_x, row_off, row_mask, p_w, p_f, pos, eps, D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr,
+):  # fmt: skip
     """RMSNorm (weight = multiplier) then RoPE on the first R dims of rows of length D.
 
     Row i lives at ``p_x + row_off[i]`` (contiguous D values) at position ``pos[i]``; returns
@@ -109,16 +100,8 @@ def gated_rmsnorm_rows(b_o, b_z, b_w, eps, VD: tl.constexpr):
 
 @triton.jit
 def _gated_rmsnorm_kernel(
-    o,
-    z,
-    w,
-    out,
-    n_rows,
-    eps,
-    VD: tl.constexpr,
-    BR: tl.constexpr,
-    BV: tl.constexpr,
-):
+    o, z, w, out, n_rows, eps, VD: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
     i_r = tl.program_id(0)
     o_r = i_r * BR + tl.arange(0, BR)
     o_v = tl.arange(0, BV)
