@@ -36,7 +36,8 @@ def _attn_decode_kernel(
 ):  # fmt: skip
     i_kvh, i_s = tl.program_id(0), tl.program_id(1)
     G: tl.constexpr = H // HKV
-    pos = tl.load(p_pos).to(tl.int32)
+    # NOTE: a position past the cache (a caller's bug) must not write out of bounds: clamp
+    pos = tl.minimum(tl.load(p_pos).to(tl.int32), T_MAX - 1)
     L = pos + 1
     if IS_SPLIT:
         n_lo = i_s * split

@@ -36,7 +36,8 @@ def _prep_kernel(
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
     o_d = tl.arange(0, BD)
-    m_td = m_t[:, None] & (o_d < DH)[None, :]
+    # NOTE: rows past the cache (a device start too large: a caller's bug) are not written
+    m_td = (m_t & (start + o_t < T_MAX))[:, None] & (o_d < DH)[None, :]
     if i_g < H:  # a query head
         b_q = rms_rope_rows(
             qg,
@@ -95,7 +96,8 @@ def _flash_kernel(
     b_acc = tl.zeros([BM, BD], dtype=tl.float32)
     first_pos = start + i_m * BMT  # keys below it are visible to every row of the program
     last_pos = tl.minimum(first_pos + BMT, start + T)  # one past the last key any row sees
-    n_full = (first_pos // BN) * BN
+    last_pos = tl.minimum(last_pos, T_MAX)  # never read past the cache (see _prep_kernel)
+    n_full = tl.minimum((first_pos // BN) * BN, T_MAX // BN * BN)
     for n0 in range(0, n_full, BN):  # tiles fully below the diagonal: no mask
         o_n = n0 + tl.arange(0, BN)
         b_k = tl.load(p_kc + o_n[:, None] * DH + o_d[None, :], mask=m_d[None, :], other=0.0)

@@ -221,6 +221,21 @@ def test_prefill_rejects_bad_input():
         prefill(e, 0, slice(0, 4), block_m=16)
 
 
+@pytest.mark.filterwarnings("ignore:All-NaN slice")  # the rows past the cache hold NaN
+@pytest.mark.parametrize("device", DEVICES)
+def test_positions_past_the_cache_write_nothing_outside(device):
+    """A device position beyond T_max (a caller's bug, unseen by the host) stays in bounds:
+    the cache is a view of a larger buffer whose tail must stay NaN."""
+    d = make_inputs(4, 16, h=2, hkv=1, dtype=torch.float32, device=device)
+    big = torch.full((2, 1, 24, 64), float("nan"), device=device)
+    d["k_cache"], d["v_cache"] = big[0, :, :16], big[1, :, :16]
+    fill_cache(d, 16)
+    decode(d, 0, 20, split=0)
+    decode(d, 0, 20, split=16, block_n=16)
+    prefill(d, torch.tensor([14], device=device), slice(0, 4), block_m=16, block_n=16)
+    assert big[:, :, 16:].isnan().all()
+
+
 # ----------------------------------------------------------------------------- norm + rope
 
 
