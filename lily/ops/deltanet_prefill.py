@@ -349,6 +349,10 @@ def deltanet_prefill(
     _check(
         chunk_size in (16, 32, 64, 128), f"chunk_size must be 16, 32, 64 or 128, got {chunk_size}"
     )
+    _check(
+        method == "scan" or min(kd, vd) >= 16,
+        f"the chunked form needs K, Vd >= 16 (tensor-core tiles), got K={kd}, Vd={vd}",
+    )
     dev = state.device
     bk, bvd = triton.next_power_of_2(kd), triton.next_power_of_2(vd)
 
@@ -390,8 +394,10 @@ def deltanet_prefill(
     bv = min(max(triton.next_power_of_2(block_v), 16 if method == "chunk" else 1), bvd)
     nv = triton.cdiv(vd, bv)
     fuse = nv == 1
-    out = torch.empty(t, hv * vd, dtype=mixed_qkv.dtype, device=dev)
-    o_buf = out if fuse else torch.empty(t, hv, vd, dtype=torch.float32, device=dev)
+    if fuse:
+        o_buf = torch.empty(t, hv * vd, dtype=mixed_qkv.dtype, device=dev)
+    else:
+        o_buf = torch.empty(t, hv, vd, dtype=torch.float32, device=dev)
     if method == "scan":
         _scan_kernel[(nv, hv)](
             y,
@@ -454,6 +460,4 @@ def deltanet_prefill(
             num_warps=num_warps or (8 if bv * bk >= 128 * 128 else 4),
             num_stages=2,  # prefetch the next chunk; a third stage only costs shared memory
         )
-    if not fuse:
-        out = gated_rmsnorm(o_buf, z, norm_weight, eps, mixed_qkv.dtype)
-    return out
+    return o_buf if fuse else gated_rmsnorm(o_buf, z, norm_weight, eps, mixed_qkv.dtype)
