@@ -274,10 +274,11 @@ def gemv_config(n: int, k: int, t: int, bits: int, group_size: int) -> GemvConfi
     projections, in_proj_a/b, routers): split K so that more SMs take part.
     """
     n_groups = k // group_size
-    per_step = min(triton.next_power_of_2(n_groups), max(1, 2048 // group_size))
+    # Up to 2048 codes a row per step; with T rows, 1/T of that (registers hold T x rows).
+    per_step = min(triton.next_power_of_2(n_groups), max(1, 2048 // group_size // t))
     if n >= 65536:  # lm_head: many row blocks, loop over K with a big tile
         return GemvConfig(64, min(per_step, max(1, 512 // group_size)), 1, 4)
-    block_n = 16 if n >= 4096 else 8
+    block_n = 16 if n >= 4096 and t == 1 else 8
     row_blocks = triton.cdiv(n, block_n)
     split = min(max(1, 512 // row_blocks), max(1, n_groups // 2), 16)
     block_g = min(per_step, triton.next_power_of_2(triton.cdiv(n_groups, split)))

@@ -1,0 +1,434 @@
+"""Check and time the quantized linear and MoE kernels (lily.ops.q*, moe_*) on one GPU.
+
+Run from the repository root on the GPU machine (about 3-4 minutes, most of it compiling):
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 bench/gpu_linear_kernels.py --out $OUT/linear.json
+
+Order: the ceilings (device-to-device copy, read-only sum, bf16 matmul), then at the real
+shapes (D=2048, MLX 4-bit group 64, 8-bit routers) every op is checked against the fp32
+reference in lily.ops.ref_linear on fresh random inputs and timed:
+1. qgemv on the projection shapes: CUDA graphs of back-to-back calls over enough weight
+   copies to overflow L2 (what a decode step sees), a few tiles per shape; GB/s of the
+   bytes that must be read against the copy rate; rows T = 2, 4, 8 against qgemm;
+2. qgemm at T = 512, 2048, 8192: TFLOP/s against the matmul rate and the roofline floor,
+   next to torch's bf16 matmul on the dequantized weight;
+3. moe_decode (router to residual, graph of 32 tokens): GB/s of the experts touched;
+4. moe_prefill at T = 512, 2048, 8192, uniform and skewed routing (4 hot experts), the
+   token tile swept: TFLOP/s and the expert-load histogram.
+``do_bench`` medians flush L2 between runs. A configuration that fails is a row with its
+error. Prints compact tables (again all together at the end); the JSON holds every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from functools import partial
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from lily.ops.moe_decode import MoeDecodeConfig, moe_decode
+from lily.ops.moe_prefill import MoePrefillConfig, moe_prefill, moe_prefill_config
+from lily.ops.qgemm import GemmConfig, gemm_config, qgemm
+from lily.ops.qgemv import GemvConfig, gemv_config, qgemv
+from lily.ops.ref_linear import ref_moe, ref_qlinear, ref_route
+from lily.quant import QuantWeight, dequantize, quantize
+
+DEV = "cuda"
+BF16 = torch.bfloat16
+D, E, I_E, I_S, TOP_K = 2048, 256, 512, 512, 8
+L2_BYTES = 60 << 20
+GEMV_SHAPES = [  # (name, N, K, bits)
+    ("in_proj_qkv/q_proj", 8192, 2048, 4), ("in_proj_z", 4096, 2048, 4),
+    ("o_proj/out_proj", 2048, 4096, 4), ("k/v_proj", 512, 2048, 4),
+    ("in_proj_a/b", 32, 2048, 4), ("lm_head", 248320, 2048, 4), ("router", 256, 2048, 8),
+]  # fmt: skip
+GEMV_SWEEP = {  # extra tiles tried on the shapes that carry the bytes
+    "in_proj_qkv/q_proj": [GemvConfig(8, 32), GemvConfig(32, 8), GemvConfig(16, 16, 1, 8),
+                           GemvConfig(32, 32, 1, 8), GemvConfig(8, 32, 2, 4)],
+    "o_proj/out_proj": [GemvConfig(16, 32), GemvConfig(4, 64), GemvConfig(8, 32, 2, 4),
+                        GemvConfig(16, 16, 1, 8)],
+    "lm_head": [GemvConfig(32, 8), GemvConfig(64, 16, 1, 8), GemvConfig(16, 32)],
+}  # fmt: skip
+GEMM_SHAPES = [("in_proj_qkv", 8192, 2048), ("o_proj", 2048, 4096), ("in_proj_z", 4096, 2048)]
+GEMM_T = (512, 2048, 8192)
+GEMM_SWEEP = [GemmConfig(128, 128, 64, 8, 3), GemmConfig(128, 256, 64, 8, 3),
+              GemmConfig(128, 128, 128, 8, 3), GemmConfig(64, 128, 64, 4, 4)]  # fmt: skip
+PREFILL_T = (512, 2048, 8192)
+PREFILL_BM = (16, 32, 64, 128)
+CHECK_T = 512  # prefill lengths checked against the reference on every config
+GEMV_GRAPH_CALLS = 32
+ROWS_SHAPE = (8192, 2048)  # the shape of the few-rows comparison
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    if not torch.isfinite(a).all():
+        return float("nan")
+    return ((a - b).norm() / b.norm()).item()
+
+
+def bench_ms(fn) -> float:
+    return do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def graph_ms(fns: list) -> float:
+    """Median time of one call, from a CUDA graph of ``fns`` called back to back."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    return bench_ms(graph.replay) / len(fns)
+
+
+def cfg_str(cfg) -> str:
+    """Short name of a tile config for the tables."""
+    if isinstance(cfg, GemvConfig):
+        return f"n{cfg.block_n} g{cfg.block_g} s{cfg.split_k} w{cfg.num_warps}"
+    if isinstance(cfg, GemmConfig):
+        return f"m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+    if isinstance(cfg, MoeDecodeConfig):
+        return f"gu[{cfg_str(cfg.gate_up)}] dn[{cfg_str(cfg.down)}]"
+    if isinstance(cfg, MoePrefillConfig):
+        return f"m{cfg.block_m} gu[{cfg_str(cfg.gate_up)}] dn[{cfg_str(cfg.down)}]"
+    return str(cfg)
+
+
+def attempt(rows: list[dict], base: dict, fn) -> None:
+    """Measure one configuration; a failure becomes a row with its error, not a crash."""
+    try:
+        rows.append({**base, **fn()})
+    except Exception as e:  # noqa: BLE001 - any failure of one config is data
+        rows.append({**base, "error": f"{type(e).__name__}: {e}"[:300]})
+        print(f"  failed {base}: {rows[-1]['error']}", flush=True)
+
+
+def rand_qweight(shape: tuple[int, ...], bits: int, gen: torch.Generator, gs: int = 64):
+    """Random codes and scales with dequantized weights of std ~ 1/sqrt(K)."""
+    *lead, n, k = shape
+    words = torch.randint(-(2**31), 2**31, (*lead, n, k * bits // 32), generator=gen,
+                          device=DEV, dtype=torch.int64).to(torch.int32)  # fmt: skip
+    levels = 2**bits - 1
+    scale = torch.rand(*lead, n, k // gs, generator=gen, device=DEV) + 0.5
+    scale = scale * (3.0 / k) ** 0.5 * 2 / levels  # uniform in about [-a, a], std a/sqrt(3)
+    return QuantWeight(words, scale.to(BF16), (-scale * levels / 2).to(BF16), bits, gs)
+
+
+def ceilings() -> dict:
+    src = torch.rand(1 << 28, device=DEV)  # 1 GiB
+    dst = torch.empty_like(src)
+    copy = 2 * src.nbytes / bench_ms(lambda: dst.copy_(src)) / 1e6
+    read = src.nbytes / bench_ms(lambda: src.sum()) / 1e6
+    a = torch.randn(8192, 8192, device=DEV, dtype=BF16)
+    b = torch.randn(8192, 8192, device=DEV, dtype=BF16)
+    mm = 2 * 8192**3 / bench_ms(lambda: a @ b) / 1e9
+    return {"copy_GBps": copy, "read_GBps": read, "bf16_matmul_TFLOPs": mm}
+
+
+# ------------------------------------------------------------------------------ GEMV
+
+
+def gemv_point(cfg, ws, xs, ref, nbytes: float, floor_us: float) -> dict:
+    err = rel(qgemv(xs[0], ws[0], config=cfg), ref)
+    calls = [partial(qgemv, x, w, config=cfg) for w, x in zip(ws, xs, strict=True)]
+    us = graph_ms(calls) * 1e3
+    return {"rel_err": err, "us": us, "GBps": nbytes / us / 1e3, "of_copy": floor_us / us,
+            "floor_us": floor_us}  # fmt: skip
+
+
+def rows_point(fn, ref, nbytes: float) -> dict:
+    err = rel(fn(), ref)
+    us = bench_ms(fn) * 1e3
+    return {"rel_err": err, "us": us, "GBps": nbytes / us / 1e3}
+
+
+def gemv_rows(ceil: dict, gen: torch.Generator) -> list[dict]:
+    rows: list[dict] = []
+    for name, n, k, bits in GEMV_SHAPES:
+        w0 = rand_qweight((n, k), bits, gen)
+        copies = max(1, min(GEMV_GRAPH_CALLS, math.ceil(3 * L2_BYTES / w0.nbytes())))
+        ws = [w0] + [rand_qweight((n, k), bits, gen) for _ in range(copies - 1)]
+        xs = [torch.randn(k, generator=gen, device=DEV).to(BF16) for _ in ws]
+        ref = ref_qlinear(xs[0], w0)
+        nbytes = w0.nbytes() + 2 * k + 2 * n
+        floor_us = nbytes / ceil["copy_GBps"] / 1e3
+        for cfg in [None] + GEMV_SWEEP.get(name, []):
+            used = cfg or gemv_config(n, k, 1, bits, 64)
+            base = {"op": "qgemv", "shape": name, "N": n, "K": k, "bits": bits, "T": 1,
+                    "config": "table " * (cfg is None) + cfg_str(used)}  # fmt: skip
+            attempt(rows, base, partial(gemv_point, cfg, ws, xs, ref, nbytes, floor_us))
+    # Few rows: the FMA GEMV per row against the tensor-core GEMM with 16-row tiles.
+    w0 = rand_qweight(ROWS_SHAPE, 4, gen)
+    for t in (2, 4, 8):
+        x = torch.randn(t, ROWS_SHAPE[1], generator=gen, device=DEV).to(BF16)
+        ref = ref_qlinear(x, w0)
+        for op, fn in (("qgemv", partial(qgemv, x, w0)), ("qgemm", partial(qgemm, x, w0))):
+            base = {"op": op, "shape": "in_proj_qkv rows", "N": ROWS_SHAPE[0],
+                    "K": ROWS_SHAPE[1], "bits": 4, "T": t, "config": "table"}  # fmt: skip
+            attempt(rows, base, partial(rows_point, fn, ref, w0.nbytes()))
+    return rows
+
+
+# ------------------------------------------------------------------------------ GEMM
+
+
+def gemm_point(cfg, x, w, ref, flop: float, floor_us: float) -> dict:
+    err = rel(qgemm(x, w, config=cfg), ref)
+    us = bench_ms(partial(qgemm, x, w, config=cfg)) * 1e3
+    return {"rel_err": err, "us": us, "TFLOPs": flop / us / 1e6, "floor_us": floor_us,
+            "of_floor": floor_us / us}  # fmt: skip
+
+
+def torch_mm_point(x, wd, flop: float, floor_us: float) -> dict:
+    us = bench_ms(lambda: x @ wd.T) * 1e3
+    return {"us": us, "TFLOPs": flop / us / 1e6, "floor_us": floor_us}
+
+
+def gemm_rows(ceil: dict, gen: torch.Generator) -> list[dict]:
+    rows: list[dict] = []
+    for name, n, k in GEMM_SHAPES:
+        w = rand_qweight((n, k), 4, gen)
+        wd = dequantize(w, BF16)
+        for t in GEMM_T:
+            x = torch.randn(t, k, generator=gen, device=DEV).to(BF16)
+            ref = ref_qlinear(x, w)
+            flop = 2 * t * n * k
+            nbytes = w.nbytes() + 2 * t * (n + k)
+            floor_us = max(flop / ceil["bf16_matmul_TFLOPs"] / 1e6,
+                           nbytes / ceil["copy_GBps"] / 1e3)  # fmt: skip
+            for cfg in [None] + (GEMM_SWEEP if t == 2048 else []):
+                used = cfg or gemm_config(t, n, k, 64)
+                base = {"op": "qgemm", "shape": name, "N": n, "K": k, "T": t,
+                        "config": "table " * (cfg is None) + cfg_str(used)}  # fmt: skip
+                attempt(rows, base, partial(gemm_point, cfg, x, w, ref, flop, floor_us))
+            base = {"op": "torch bf16 mm", "shape": name, "N": n, "K": k, "T": t,
+                    "config": "dense bf16 weight"}  # fmt: skip
+            attempt(rows, base, partial(torch_mm_point, x, wd, flop, floor_us))
+    return rows
+
+
+# ------------------------------------------------------------------------------ MoE
+
+
+def moe_weights(gen: torch.Generator) -> dict:
+    def router(rows: int) -> QuantWeight:
+        return quantize(torch.randn(rows, D, generator=gen, device=DEV) / D**0.5, 8, 64)
+
+    return {
+        "router": router(E),
+        "gate": rand_qweight((E, I_E, D), 4, gen),
+        "up": rand_qweight((E, I_E, D), 4, gen),
+        "down": rand_qweight((E, D, I_E), 4, gen),
+        "shared_gate": rand_qweight((I_S, D), 4, gen),
+        "shared_up": rand_qweight((I_S, D), 4, gen),
+        "shared_down": rand_qweight((D, I_S), 4, gen),
+        "shared_expert_gate": router(1),
+    }
+
+
+def expert_bytes(w: dict) -> int:
+    return sum(w[p][0].nbytes() for p in ("gate", "up", "down"))
+
+
+def fixed_bytes(w: dict) -> int:
+    parts = ("router", "shared_gate", "shared_up", "shared_down", "shared_expert_gate")
+    return sum(w[p].nbytes() for p in parts)
+
+
+def decode_point(cfg, args, xs, rs, ref, nbytes: float, floor_us: float) -> dict:
+    err = rel(moe_decode(xs[0], *args, TOP_K, rs[0], config=cfg), ref)
+    calls = [partial(moe_decode, x, *args, TOP_K, r, config=cfg)
+             for x, r in zip(xs, rs, strict=True)]  # fmt: skip
+    us = graph_ms(calls) * 1e3
+    return {"rel_err": err, "us": us, "GBps": nbytes / us / 1e3, "of_copy": floor_us / us,
+            "floor_us": floor_us}  # fmt: skip
+
+
+def decode_replay(args, xs, rs) -> dict:
+    """Captured once, replayed on a new token written into the captured input."""
+    x, r = xs[1].clone(), rs[1].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        moe_decode(x, *args, TOP_K, r)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_decode(x, *args, TOP_K, r)
+    x.copy_(xs[2])
+    r.copy_(rs[2])
+    graph.replay()
+    torch.cuda.synchronize()
+    return {"rel_err": rel(out, ref_moe(xs[2], *args, TOP_K, rs[2]))}
+
+
+def moe_decode_rows(ceil: dict, w: dict, gen: torch.Generator) -> list[dict]:
+    rows: list[dict] = []
+    xs = [torch.randn(D, generator=gen, device=DEV).to(BF16) for _ in range(GEMV_GRAPH_CALLS)]
+    rs = [torch.randn(D, generator=gen, device=DEV).to(BF16) for _ in xs]
+    args = list(w.values())
+    ref = ref_moe(xs[0], *args, TOP_K, rs[0])
+    # Every token touches the router, the shared expert and TOP_K distinct experts.
+    nbytes = fixed_bytes(w) + TOP_K * expert_bytes(w) + 6 * D
+    floor_us = nbytes / ceil["copy_GBps"] / 1e3
+    cfgs = [None, MoeDecodeConfig(GemvConfig(8, 32), GemvConfig(16, 8)),
+            MoeDecodeConfig(GemvConfig(16, 16, 1, 8), GemvConfig(4, 8, 1, 2))]  # fmt: skip
+    for cfg in cfgs:
+        base = {"op": "moe_decode", "shape": "E256 I512 top8 +shared", "T": 1,
+                "config": "table " * (cfg is None) + cfg_str(cfg or MoeDecodeConfig())}  # fmt: skip
+        attempt(rows, base, partial(decode_point, cfg, args, xs, rs, ref, nbytes, floor_us))
+    base = {"op": "moe_decode", "shape": "graph replay, new token", "T": 1, "config": "table"}
+    attempt(rows, base, partial(decode_replay, args, xs, rs))
+    return rows
+
+
+def skewed_router(gen: torch.Generator, hot: int = 4) -> tuple[QuantWeight, torch.Tensor]:
+    """A router whose ``hot`` experts every token prefers, and the direction that does it."""
+    u = torch.randn(D, generator=gen, device=DEV)
+    u = u / u.norm()
+    r = torch.randn(E, D, generator=gen, device=DEV) / D**0.5
+    r[:hot] += 3.0 * u
+    return quantize(r, 8, 64), u
+
+
+def prefill_point(cfg, atomic, x, a, res, ref, t, flop, floor_us) -> dict:
+    out = moe_prefill(x, *a, TOP_K, res, atomic=atomic, config=cfg)
+    err = rel(out, ref) if ref is not None else None
+    us = bench_ms(partial(moe_prefill, x, *a, TOP_K, res, atomic=atomic, config=cfg)) * 1e3
+    return {"rel_err": err, "us": us, "TFLOPs": flop / us / 1e6, "floor_us": floor_us,
+            "of_floor": floor_us / us, "tok_per_s_layer": t / us * 1e6}  # fmt: skip
+
+
+def moe_prefill_rows(ceil: dict, w: dict, gen: torch.Generator) -> list[dict]:
+    rows: list[dict] = []
+    args = list(w.values())
+    skew_router, u = skewed_router(gen)
+    for t in PREFILL_T:
+        for routing in ("uniform", "skewed"):
+            x = torch.randn(t, D, generator=gen, device=DEV)
+            a = list(args)
+            if routing == "skewed":
+                x = x + 2.0 * u
+                a[0] = skew_router
+            x = x.to(BF16)
+            res = torch.randn(t, D, generator=gen, device=DEV).to(BF16)
+            _, ids = ref_route(ref_qlinear(x, a[0]), TOP_K)
+            counts = torch.bincount(ids.flatten(), minlength=E)
+            load = {"max": int(counts.max()), "median": float(counts.float().median()),
+                    "empty": int((counts == 0).sum()), "mean": t * TOP_K / E}  # fmt: skip
+            flop = 2 * t * (E * D + TOP_K * 3 * D * I_E + 3 * D * I_S)
+            nbytes = fixed_bytes(w) + int((counts > 0).sum()) * expert_bytes(w) + 6 * t * D
+            floor_us = max(flop / ceil["bf16_matmul_TFLOPs"] / 1e6,
+                           nbytes / ceil["copy_GBps"] / 1e3)  # fmt: skip
+            ref = ref_moe(x, *a, TOP_K, res) if t == CHECK_T or routing == "skewed" else None
+            # The table's tile (with and without the atomic combine), then each token tile.
+            points = [(None, False), (None, True)]
+            points += [(bm, False) for bm in PREFILL_BM if routing == "uniform"]
+            for bm, atomic in points:
+                cfg = moe_prefill_config(t, TOP_K, E)
+                if bm is not None:
+                    tiles = moe_prefill_config(bm * E // TOP_K, TOP_K, E)
+                    cfg = MoePrefillConfig(bm, tiles.gate_up, tiles.down)
+                name = ("table " if bm is None else "") + ("atomic " if atomic else "")
+                base = {"op": "moe_prefill", "shape": routing, "T": t, "load": load,
+                        "config": name + cfg_str(cfg)}  # fmt: skip
+                point = partial(prefill_point, cfg, atomic, x, a, res, ref, t, flop, floor_us)
+                attempt(rows, base, point)
+    return rows
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def table(rows: list[dict], cols: list[str]) -> str:
+    def fmt(v) -> str:
+        if isinstance(v, float):
+            return f"{v:.3g}"
+        return "" if v is None else str(v)
+
+    lines = [" | ".join(cols)]
+    for r in rows:
+        if "error" in r:
+            lines.append(
+                " | ".join(fmt(r.get(c)) for c in cols[:4]) + " | ERROR " + r["error"][:80]
+            )
+        else:
+            lines.append(" | ".join(fmt(r.get(c)) for c in cols))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--only", default="gemv,gemm,moe_decode,moe_prefill")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="table tiles only, no sweeps")
+    args = ap.parse_args()
+    if args.quick:
+        global GEMV_SWEEP, GEMM_SWEEP, PREFILL_BM
+        GEMV_SWEEP, GEMM_SWEEP, PREFILL_BM = {}, [], ()
+    if not torch.cuda.is_available():
+        sys.exit("bench/gpu_linear_kernels.py needs a CUDA GPU")
+    t0 = time.time()
+    gen = torch.Generator(device=DEV).manual_seed(args.seed)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                check=True).stdout.strip()  # fmt: skip
+    except Exception:  # noqa: BLE001 - the device copy may have no .git
+        commit = "unknown"
+    result = {"device": torch.cuda.get_device_name(), "date": datetime.now(UTC).isoformat(),
+              "commit": commit, "torch": torch.__version__,
+              "triton": triton.__version__}  # fmt: skip
+    ceil = ceilings()
+    result["ceilings"] = ceil
+    print(f"ceilings: {ceil}", flush=True)
+    sections = {
+        "gemv": (lambda: gemv_rows(ceil, gen), ["op", "shape", "T", "config", "rel_err", "us",
+                                                "GBps", "of_copy"]),
+        "gemm": (lambda: gemm_rows(ceil, gen), ["op", "shape", "T", "config", "rel_err", "us",
+                                                "TFLOPs", "of_floor"]),
+    }  # fmt: skip
+    only = set(args.only.split(","))
+    tables = []
+    for name, (fn, cols) in sections.items():
+        if name in only:
+            rows = fn()
+            result[name] = rows
+            tables.append(f"== {name} ({time.time() - t0:.0f}s)\n" + table(rows, cols))
+            print(tables[-1], flush=True)
+    if only & {"moe_decode", "moe_prefill"}:
+        w = moe_weights(gen)
+        if "moe_decode" in only:
+            rows = moe_decode_rows(ceil, w, gen)
+            result["moe_decode"] = rows
+            cols = ["op", "shape", "T", "config", "rel_err", "us", "GBps", "of_copy"]
+            tables.append(f"== moe_decode ({time.time() - t0:.0f}s)\n" + table(rows, cols))
+            print(tables[-1], flush=True)
+        if "moe_prefill" in only:
+            rows = moe_prefill_rows(ceil, w, gen)
+            result["moe_prefill"] = rows
+            cols = ["op", "shape", "T", "config", "rel_err", "us", "TFLOPs", "of_floor", "load"]
+            tables.append(f"== moe_prefill ({time.time() - t0:.0f}s)\n" + table(rows, cols))
+            print(tables[-1], flush=True)
+    result["seconds"] = time.time() - t0
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print("\n\n".join(["==== summary", f"ceilings: {ceil}", *tables]))
+    print(f"wrote {args.out} in {result['seconds']:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
