@@ -1,0 +1,1 @@
+"""GPU kernels (Triton): one op family per module, plain-PyTorch references in ref_*.py."""
