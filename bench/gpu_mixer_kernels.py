@@ -50,10 +50,10 @@ DN_PREFILL_CONFIGS = [("scan", 16), ("scan", 32), ("scan", 128)]
 DN_PREFILL_CONFIGS += [("chunk", 32), ("chunk", 64), ("chunk", 128)]
 SCAN_ALL_UP_TO = 2048  # longer chunks time only the first scan configuration (it is slow)
 ATTN_CONTEXTS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
-ATTN_SPLITS = (256, 1024)  # tried beside the plain variant and default_split
+ATTN_SPLITS = (64, 256, 1024)  # tried beside the plain variant and default_split
 ATTN_PREFILL_SHAPES = ((512, 0), (2048, 0), (8192, 0), (512, 1536), (2048, 30720))  # T, start
-ATTN_PREFILL_CONFIGS = [(64, 64, 8), (64, 32, 4), (32, 64, 4)]  # block_m, block_n, warps
-CHECK_T = 512  # prefill lengths checked against the reference (longer: variants agree)
+# block_m, block_n, warps (the default first)
+ATTN_PREFILL_CONFIGS = [(64, 32, 4), (64, 64, 8), (32, 64, 4), (128, 32, 8), (64, 16, 4)]
 BF16 = torch.bfloat16
 DEV = "cuda"
 
@@ -89,6 +89,23 @@ def attempt(rows: list[dict], base: dict, fn) -> None:
     except Exception as e:  # noqa: BLE001 - any failure of one config is data
         rows.append({**base, "error": f"{type(e).__name__}: {e}"[:300]})
         print(f"  failed {base}: {rows[-1]['error']}", flush=True)
+
+
+def kernel_breakdown(fn, reps: int = 3) -> dict[str, float]:
+    """Device time per kernel (us per call, torch.profiler over ``reps`` calls), or {}."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize()
+        times = {e.key: e.self_device_time_total / reps for e in prof.key_averages()}
+        return {k: round(v, 2) for k, v in times.items() if v > 0}
+    except Exception as e:  # noqa: BLE001 - the breakdown is an extra; never fail for it
+        return {"error": f"{type(e).__name__}: {e}"[:200]}
 
 
 def ceilings() -> dict:
@@ -171,27 +188,29 @@ def dn_prefill(gen: torch.Generator) -> list[dict]:
     rows = []
     for t in DN_PREFILL_T:
         d = dn_inputs(t, gen)
-        ref = ref_deltanet(*dn_args(d), 1e-6)[::2] if t <= CHECK_T else None
-        first: list = []
+        ref = ref_deltanet(*dn_args(d), 1e-6)[::2]
 
-        def measure(method: str, block_v: int, d=d, ref=ref, first=first, t=t) -> dict:
+        def measure(method: str, block_v: int, d=d, ref=ref, t=t) -> dict:
             kw = {"method": method, "block_v": block_v}
             st = fresh_states(d)
             out = deltanet_prefill(*dn_args(d, **st), 1e-6, **kw)
-            if ref is None:  # against the first variant: the two algorithms must agree
-                if not first:
-                    first.extend([out, st["state"]])
-                ref = first
             err = max(rel(out, ref[0]), rel(st["state"], ref[1]))
             st = fresh_states(d)  # timed runs update states of their own
-            ms = bench_ms(lambda: deltanet_prefill(*dn_args(d, **st), 1e-6, **kw))
-            return {"ms": ms, "tok_per_s": t / ms * 1e3, "ms_30_layers": 30 * ms, "rel_err": err}
+
+            def call():
+                deltanet_prefill(*dn_args(d, **st), 1e-6, **kw)
+
+            ms, ms_eager = graph_ms(call), bench_ms(call)
+            return {"ms": ms, "ms_eager": ms_eager, "tok_per_s": t / ms * 1e3,
+                    "ms_30_layers": 30 * ms, "rel_err": err,
+                    "kernels_us": kernel_breakdown(call)}  # fmt: skip
 
         for method, block_v in DN_PREFILL_CONFIGS:
             if method == "scan" and t > SCAN_ALL_UP_TO and block_v != DN_PREFILL_CONFIGS[0][1]:
                 continue
             base = {"op": "dn_prefill", "T": t, "method": method, "block_v": block_v}
             attempt(rows, base, lambda m=method, b=block_v, f=measure: f(m, b))
+        del d, ref
     return rows
 
 
@@ -240,9 +259,14 @@ def attn_decode(gen: torch.Generator, copy_gbs: float) -> list[dict]:
             err = rel(attention_decode(*attn_args(layers[0], 0), pos, inv_freq, **kw), ref_out)
             us = graph_ms(step) * 1e3 / ATTN_LAYERS
             gbs = nbytes / us / 1e3
-            return {"us_per_layer": us, "GBps": gbs, "frac_copy": gbs / copy_gbs, "rel_err": err}
+            row = {"us_per_layer": us, "GBps": gbs, "frac_copy": gbs / copy_gbs, "rel_err": err}
+            if split == default_split(ctx):  # which of the two kernels costs what
+                row["kernels_us"] = kernel_breakdown(
+                    lambda: attention_decode(*attn_args(layers[0], 0), pos, inv_freq, **kw)
+                )
+            return row
 
-        splits = [0, default_split(ctx, HKV)] + [s for s in ATTN_SPLITS if s < ctx]
+        splits = [0, default_split(ctx)] + [s for s in ATTN_SPLITS if s < ctx]
         for split in dict.fromkeys(splits):
             base = {"op": "attn_decode", "ctx": ctx, "split": split}
             attempt(rows, base, lambda s=split, f=measure: f(s))
@@ -256,24 +280,29 @@ def attn_prefill(gen: torch.Generator, mm_tflops: float) -> list[dict]:
     inv_freq = rope_inv_freq(R, THETA, DEV)
     for t, start in ATTN_PREFILL_SHAPES:
         d = attn_inputs(t, start + t, gen, start)
-        ref = ref_attention(*attn_args(d), start, R, THETA)[0] if t <= CHECK_T else None
+        ref = ref_attention(*attn_args(d), start, R, THETA)[0]
+        torch.cuda.empty_cache()
         flops = 4 * H * DH * (t * start + t * (t + 1) // 2)  # causal QK^T and PV
+        start_t = torch.tensor([start], device=DEV)  # a device start: no copy in the graph
 
-        def measure(bm: int, bn: int, warps: int, d=d, start=start, ref=ref, flops=flops):
+        def measure(bm: int, bn: int, warps: int, d=d, ref=ref, flops=flops, start_t=start_t):
             kw = {"block_m": bm, "block_n": bn, "num_warps": warps}
 
             def call():
-                return attention_prefill(*attn_args(d), start, inv_freq, **kw)
+                return attention_prefill(*attn_args(d), start_t, inv_freq, **kw)
 
-            err = rel(call(), ref) if ref is not None else float("nan")
-            ms = bench_ms(call)
+            err = rel(call(), ref)
+            ms, ms_eager = graph_ms(call), bench_ms(call)
             tflops = flops / ms / 1e9
-            return {"ms": ms, "TFLOPs": tflops, "frac_matmul": tflops / mm_tflops, "rel_err": err}
+            return {"ms": ms, "ms_eager": ms_eager, "TFLOPs": tflops,
+                    "frac_matmul": tflops / mm_tflops, "rel_err": err,
+                    "kernels_us": kernel_breakdown(call)}  # fmt: skip
 
         for bm, bn, warps in ATTN_PREFILL_CONFIGS:
             base = {"op": "attn_prefill", "T": t, "start": start, "block_m": bm, "block_n": bn,
                     "num_warps": warps}  # fmt: skip
             attempt(rows, base, lambda a=bm, b=bn, w=warps, f=measure: f(a, b, w))
+        del d, ref
     return rows
 
 
@@ -396,9 +425,23 @@ def crossover(rows: list[dict]) -> str:
 SECTIONS = {
     "dn_decode": ["block_v", "num_warps", "us_per_layer", "GBps", "frac_copy", "rel_err"],
     "attn_decode": ["ctx", "split", "us_per_layer", "GBps", "frac_copy", "rel_err"],
-    "dn_prefill": ["T", "method", "block_v", "ms", "tok_per_s", "ms_30_layers", "rel_err"],
-    "attn_prefill": ["T", "start", "block_m", "block_n", "num_warps", "ms", "TFLOPs", "rel_err"],
-}
+    "dn_prefill": ["T", "method", "block_v", "ms", "ms_eager", "ms_30_layers", "rel_err"],
+    "attn_prefill": ["T", "start", "block_m", "block_n", "num_warps", "ms", "ms_eager", "TFLOPs",
+                     "rel_err"],
+}  # fmt: skip
+
+
+def breakdowns(rows: list[dict]) -> str:
+    """One line per row that carries a per-kernel breakdown: the us of its kernels."""
+    lines = []
+    for r in rows:
+        ks = r.get("kernels_us")
+        if ks:
+            head = " ".join(f"{k}={r[k]}" for k in ("T", "ctx", "split", "method", "block_v",
+                                                     "block_m", "block_n") if k in r)  # fmt: skip
+            parts = ", ".join(f"{k.split('(')[0][:28]} {v:.1f}" for k, v in ks.items())
+            lines.append(f"  {head}: {parts}")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -452,6 +495,8 @@ def main() -> None:
             res["attn_decode_crossover"] = crossover(rows)
             tables[-1] += "\n" + res["attn_decode_crossover"]
         print(tables[-1], flush=True)
+        if any("kernels_us" in r for r in rows):  # printed once; the JSON keeps them
+            print("kernel us per call (profiler):\n" + breakdowns(rows), flush=True)
         with open(args.out, "w") as f:  # after each section, in case a later one fails
             json.dump(res, f, indent=1)
     res["seconds"] = time.time() - t0

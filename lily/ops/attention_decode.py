@@ -159,11 +159,10 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(f"attention_decode: {msg}")
 
 
-def default_split(max_len: int, num_kv_heads: int, block_n: int = 64) -> int:
-    """Rows per split block: about 256 programs at ``max_len``, between block_n and 4096."""
-    target_blocks = max(1, 256 // num_kv_heads)
-    split = triton.next_power_of_2(triton.cdiv(max_len, target_blocks))
-    return max(block_n, min(4096, split))
+def default_split(max_len: int) -> int:
+    """Rows per split block, from the H200 sweep (run 1, 10 layers per CUDA graph): 64 up
+    to 4K context, 256 up to 32K, 1024 beyond (75% of copy bandwidth at 128K)."""
+    return 64 if max_len <= 4096 else 256 if max_len <= 32768 else 1024
 
 
 def attention_decode(
@@ -179,7 +178,7 @@ def attention_decode(
     eps: float = 1e-6,
     *,
     max_len: int | None = None,
-    split_threshold: int = 32768,
+    split_threshold: int = 256,
     split: int | None = None,
     block_n: int = 64,
     num_warps: int = 4,
@@ -190,9 +189,11 @@ def attention_decode(
     qg (H*2*Dh,): per head Dh query then Dh gate; k, v (Hkv*Dh,); q_norm, k_norm (Dh,)
     (multipliers); k_cache, v_cache (Hkv, T_max, Dh), rows [0, pos) already filled; pos a
     one-element int device tensor; inv_freq (R/2,) fp32 from ``rope_inv_freq``. A leading
-    batch dim of 1 is allowed on qg, k, v. ``max_len`` bounds pos+1 (default T_max): at or
-    above ``split_threshold`` the split-KV variant runs with blocks of ``split`` rows (0
-    forces the plain variant). Returns (H*Dh,) in qg's dtype.
+    batch dim of 1 is allowed on qg, k, v. ``max_len`` bounds pos+1 (default T_max; keep it
+    fixed within a captured graph): at or above ``split_threshold`` the split-KV variant runs
+    with blocks of ``split`` rows (default ``default_split(max_len)``; 0 forces the plain
+    variant, which was slower than split-KV from 256 context on in the H200 sweep). Returns
+    (H*Dh,) in qg's dtype.
     """
     _check(
         k_cache.dim() == 3
@@ -231,7 +232,7 @@ def attention_decode(
     _check(all(x.device == k_cache.device for x in tensors), "all tensors must be on one device")
     max_len = t_max if max_len is None else min(max_len, t_max)
     if split is None:
-        split = default_split(max_len, hkv, block_n) if max_len >= split_threshold else 0
+        split = default_split(max_len) if max_len >= split_threshold else 0
     if 16 <= split < block_n:
         block_n = split  # small blocks (tests) take a smaller tile
     _check(

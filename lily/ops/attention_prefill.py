@@ -159,8 +159,8 @@ def attention_prefill(
     eps: float = 1e-6,
     *,
     block_m: int = 64,
-    block_n: int = 64,
-    num_warps: int = 8,
+    block_n: int = 32,
+    num_warps: int = 4,
     num_stages: int = 2,
 ) -> Tensor:
     """Gated causal attention of T tokens at positions [start, start+T) (MODEL.md).
