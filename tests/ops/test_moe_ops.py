@@ -102,6 +102,35 @@ def test_moe_decode_matches_reference(poison, device, e, k, bits, gs, shared, dt
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_moe_decode_replays_on_new_tokens(device):
+    """Two tokens through one captured call (a CUDA graph on the GPU, as the decode step
+    runs; two eager calls on the CPU): nothing may leak from one call into the next."""
+    w = make_moe(8, 4, 64, True, seed=21, device=device)
+    g = torch.Generator().manual_seed(9)
+    xs = [torch.randn(D, generator=g).bfloat16().to(device) for _ in range(3)]
+    rs = [torch.randn(D, generator=g).bfloat16().to(device) for _ in range(3)]
+    x, r = xs[0].clone(), rs[0].clone()
+    if device == "cuda":
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            moe_decode(x, *w.values(), 2, r)  # compile outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = moe_decode(x, *w.values(), 2, r)
+    for i in (1, 2):
+        x.copy_(xs[i])
+        r.copy_(rs[i])
+        if device == "cuda":
+            graph.replay()
+            torch.cuda.synchronize()
+        else:
+            out = moe_decode(x, *w.values(), 2, r)
+        assert moe_err(out, w, xs[i], 2, rs[i]) < 2e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "bits,gs,shared,block_m,atomic",
     [

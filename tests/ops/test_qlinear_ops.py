@@ -86,6 +86,34 @@ def test_qgemv_tiles_and_split_k(poison, device, cfg):
     assert rel_err(y, ref_qlinear(x, w, res)) < 2e-5
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_qgemv_split_k_replays(device):
+    """Split-K tickets must be clean on every call: a CUDA graph replayed on new inputs on
+    the GPU (as the decode step runs), repeated eager calls on the CPU."""
+    gen = torch.Generator().manual_seed(8)
+    w = _weight(24, 256, 4, 64, device, gen)
+    xs = [torch.randn(256, generator=gen).bfloat16().to(device) for _ in range(3)]
+    cfg = GemvConfig(8, 1, 4, 4)
+    x = xs[0].clone()
+    if device == "cuda":
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            qgemv(x, w, config=cfg)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = qgemv(x, w, config=cfg, out_dtype=torch.float32)
+    for i in (1, 2):
+        x.copy_(xs[i])
+        if device == "cuda":
+            graph.replay()
+            torch.cuda.synchronize()
+        else:
+            y = qgemv(x, w, config=cfg, out_dtype=torch.float32)
+        assert rel_err(y, ref_qlinear(xs[i], w)) < 2e-5
+
+
 def test_gemv_config_shapes():
     """The tile table gives valid tiles and enough programs for the model's shapes."""
     for n, k in [(8192, 2048), (4096, 2048), (32, 2048), (2048, 4096), (512, 2048),
