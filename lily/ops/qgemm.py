@@ -121,6 +121,7 @@ def _qgemm_kernel(
     m_n = o_n < N
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_m = o_m < T
+    o_m64 = o_m.to(tl.int64)  # T x N passes 2**31 for the lm_head at long prompts
     o_k = tl.arange(0, BLOCK_K)
     n_groups = K // GROUP
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
@@ -130,7 +131,7 @@ def _qgemm_kernel(
             BITS, GROUP, BG,
         )  # fmt: skip
         k0 = i_k * BLOCK_K
-        p_xt = p_x + o_m[None, :] * stride_xt + (k0 + o_k)[:, None]
+        p_xt = p_x + o_m64[None, :] * stride_xt + (k0 + o_k)[:, None]
         b_xt = tl.load(p_xt, mask=m_m[None, :] & ((k0 + o_k) < K)[:, None], other=0.0)
         b_xt = to_bf16(b_xt, ON_CPU)
         b_wd = to_bf16(b_wf, ON_CPU)
@@ -139,7 +140,7 @@ def _qgemm_kernel(
             # Second bf16 term w - bf16(w): ~16 mantissa bits of weight, for router logits
             # whose top-k must not flip on rounding.
             acc = mma(to_bf16(b_wf - b_wd.to(tl.float32), ON_CPU), b_xt, acc, ON_CPU)
-    p_o = p_out + o_m[None, :] * stride_ot + o_n[:, None]
+    p_o = p_out + o_m64[None, :] * stride_ot + o_n[:, None]
     b_o = cast_to(acc, p_out.dtype.element_ty, ON_CPU)
     tl.store(p_o, b_o, mask=m_n[:, None] & m_m[None, :])
 
