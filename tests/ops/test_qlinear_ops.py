@@ -140,6 +140,16 @@ def test_qgemm_matches_reference(poison, device, bits, gs, cfg):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_group_128(poison, device):
+    """Group size 128 (16 words a group) through both kernels."""
+    gen = torch.Generator().manual_seed(12)
+    w = _weight(48, 256, 4, 128, device, gen)
+    x = torch.randn(5, 256, generator=gen).bfloat16().to(device)
+    assert rel_err(qgemv(x[0], w, out_dtype=torch.float32), ref_qlinear(x[0], w)) < 2e-5
+    assert rel_err(qgemm(x, w), ref_qlinear(x, w)) < 1e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_qgemm_precise_and_fp32_out(poison, device):
     """``precise`` feeds the weight as two bf16 terms: only x's rounding is left."""
     gen = torch.Generator().manual_seed(3)
