@@ -257,7 +257,8 @@ def moe_decode(
         TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(e),
         HAS_SHARED=has_shared,
         SG_BITS=seg.bits, SG_GROUP=seg.group_size, SG_BLOCK_G=sg_block_g,
-        SG_STEPS=_steps(d, seg.group_size, sg_block_g), num_warps=4,
+        SG_STEPS=_steps(d, seg.group_size, sg_block_g),
+        num_warps=1,  # one warp: the 2k+2 reductions are shuffles, no barriers (latency)
     )  # fmt: skip
 
     i_max = max(i, i_s)
