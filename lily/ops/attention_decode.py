@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lily.ops.norm_rope import rms_rope_rows, sigmoid
+from lily.ops.norm_rope import rms_rope_apply, rms_rope_load, sigmoid
 
 Tensor = torch.Tensor
 
@@ -50,39 +50,27 @@ def _attn_decode_kernel(
         m_r = o_r < G
         o_d = tl.arange(0, BD)
         m_d = o_d < DH
-        b_q = rms_rope_rows(
-            qg,
-            (i_kvh * G + o_r) * (2 * DH),
-            m_r,
-            q_norm,
-            inv_freq,
-            tl.zeros([GP], dtype=tl.int32) + pos,
-            eps,
-            DH,
-            R,
-            BD,
+        # NOTE: all prep loads first (the new K row and V row too, in every program: 1 KiB),
+        # then the maths: each reduction's barrier would otherwise wait on the next load
+        q_x, q_w, q_xp, q_wp, q_f = rms_rope_load(
+            qg, (i_kvh * G + o_r) * (2 * DH), m_r, q_norm, inv_freq, DH, R, BD
         )
+        o_1 = tl.arange(0, 1)
+        k_x, k_w, k_xp, k_wp, k_f = rms_rope_load(
+            k, i_kvh * DH + o_1, o_1 < 1, k_norm, inv_freq, DH, R, BD
+        )
+        b_vr = tl.load(v + i_kvh * DH + o_d[None, :], mask=m_d[None, :], other=0.0)
+        b_q = rms_rope_apply(q_x, q_w, q_xp, q_wp, q_f, tl.zeros([GP], dtype=tl.int32) + pos,
+                             eps, DH, R, BD)  # fmt: skip
         b_q = (b_q * sm_scale).to(k_cache.dtype.element_ty)  # sm_scale includes log2(e)
         p_kc = k_cache + i_kvh * T_MAX * DH
         p_vc = v_cache + i_kvh * T_MAX * DH
         if n_hi == L:  # this program's range holds pos: write the new row first
-            o_1 = tl.arange(0, 1)
-            b_k = rms_rope_rows(
-                k,
-                i_kvh * DH + o_1,
-                o_1 < 1,
-                k_norm,
-                inv_freq,
-                tl.zeros([1], dtype=tl.int32) + pos,
-                eps,
-                DH,
-                R,
-                BD,
-            )
-            b_v = tl.load(v + i_kvh * DH + o_d[None, :], mask=m_d[None, :], other=0.0)
+            b_k = rms_rope_apply(k_x, k_w, k_xp, k_wp, k_f, tl.zeros([1], dtype=tl.int32) + pos,
+                                 eps, DH, R, BD)  # fmt: skip
             p_row = pos * DH + o_d[None, :]
             tl.store(p_kc + p_row, b_k.to(k_cache.dtype.element_ty), mask=m_d[None, :])
-            tl.store(p_vc + p_row, b_v.to(v_cache.dtype.element_ty), mask=m_d[None, :])
+            tl.store(p_vc + p_row, b_vr.to(v_cache.dtype.element_ty), mask=m_d[None, :])
             tl.debug_barrier()  # the row is read back below, possibly by other threads
         b_m = tl.full([GP], float("-inf"), dtype=tl.float32)
         b_l = tl.zeros([GP], dtype=tl.float32)
@@ -130,6 +118,7 @@ def _combine_kernel(
     n_blocks = tl.cdiv(tl.load(p_pos).to(tl.int32) + 1, split)
     o_d = tl.arange(0, BD)
     m_d = o_d < DH
+    b_gate = tl.load(qg + i_h * (2 * DH) + DH + o_d, mask=m_d, other=0.0).to(tl.float32)
     # running max over the blocks' log-sum-exps (base 2); the first block is always valid
     b_m = tl.full([1], float("-inf"), dtype=tl.float32)
     b_s = tl.zeros([1], dtype=tl.float32)
@@ -139,16 +128,15 @@ def _combine_kernel(
         m_b = o_b < n_blocks
         i_p = (i_kvh * NB + o_b) * G + i_g
         b_lse = tl.load(lse_part + i_p, mask=m_b, other=float("-inf"))
-        b_mn = tl.maximum(b_m, tl.max(b_lse, 0))
-        b_w = tl.exp2(b_lse - b_mn)
-        b_alpha = tl.exp2(b_m - b_mn)
         b_o = tl.load(
             o_part + i_p[:, None] * DH + o_d[None, :], mask=m_b[:, None] & m_d[None, :], other=0.0
         )
+        b_mn = tl.maximum(b_m, tl.max(b_lse, 0))
+        b_w = tl.exp2(b_lse - b_mn)
+        b_alpha = tl.exp2(b_m - b_mn)
         b_acc = b_acc * b_alpha + tl.sum(b_w[:, None] * b_o, 0)
         b_s = b_s * b_alpha + tl.sum(b_w, 0)
         b_m = b_mn
-    b_gate = tl.load(qg + i_h * (2 * DH) + DH + o_d, mask=m_d, other=0.0).to(tl.float32)
     tl.store(
         out + i_h * DH + o_d, (b_acc / b_s * sigmoid(b_gate)).to(out.dtype.element_ty), mask=m_d
     )

@@ -6,13 +6,15 @@ RMSNorm, writing the (Hv*Vd,) output in the compute dtype.
 
 Grid: (Vd blocks, value heads); each program owns a (K, BV) column block of one head's
 state, so the 2 MiB of state per layer streams through many SMs at once. Two things need
-data from other programs of the same launch, handled with a "last arrival" counter (an
-atomic per group, reset by the program that sees the count complete) instead of a second
+data from other programs of the same launch; one "last arrival" counter per key head (an
+atomic, reset by the program that completes the count) handles both instead of a second
 launch:
 - the q/k conv channels of a key head are read by all G*NV programs that use that head, so
   only the last of them may shift the conv state of those channels;
-- the gated RMSNorm needs the whole Vd row of a head: programs park their fp32 slice in a
-  small buffer and the last one of the head normalises it.
+- the gated RMSNorm needs whole Vd rows: when a head is split over programs (NV > 1) they
+  park their fp32 slices in a small buffer and the last program of the key head
+  normalises its G heads' rows.
+Every load is issued at the start: the step is a chain of dependent memory latencies.
 No host synchronisation: the step can be captured in a CUDA graph (pass a persistent
 ``workspace``, see ``DeltaNetDecodeWorkspace``).
 """
@@ -31,18 +33,22 @@ Tensor = torch.Tensor
 
 
 @triton.jit
-def conv_silu_channels(
-    x, conv_w, conv_state, ch, m_c, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr
-):
-    """Causal conv of one new input over channels ``ch``; returns (silu(y), old rows, x)."""
+def conv_load(x, conv_w, conv_state, ch, m_c, C: tl.constexpr, W: tl.constexpr, WP: tl.constexpr):
+    """The operands of one conv step over channels ``ch``: old rows (WP, BC) in the state's
+    dtype, the taps for them (WP, BC) and for x (BC,) in fp32, and x."""
     o_w = tl.arange(0, WP)
     m_ws = (o_w < W - 1)[:, None] & m_c[None, :]
     b_s = tl.load(conv_state + o_w[:, None] * C + ch[None, :], mask=m_ws, other=0.0)
     b_wt = tl.load(conv_w + ch[None, :] * W + o_w[:, None], mask=m_ws, other=0.0).to(tl.float32)
     b_wl = tl.load(conv_w + ch * W + (W - 1), mask=m_c, other=0.0).to(tl.float32)
     b_x = tl.load(x + ch, mask=m_c, other=0.0)
-    b_y = tl.sum(b_s.to(tl.float32) * b_wt, 0) + b_x.to(tl.float32) * b_wl
-    return silu(b_y), b_s, b_x
+    return b_s, b_wt, b_wl, b_x
+
+
+@triton.jit
+def conv_silu(b_s, b_wt, b_wl, b_x):
+    """silu(conv) of one step from ``conv_load``'s operands, fp32 (BC,)."""
+    return silu(tl.sum(b_s.to(tl.float32) * b_wt, 0) + b_x.to(tl.float32) * b_wl)
 
 
 @triton.jit
@@ -73,6 +79,7 @@ def _deltanet_decode_kernel(
     x, z, b, a, conv_w, conv_state, A_log, dt_bias, norm_w, state, out, o_buf, counters, q_scale,
     eps, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, VD: tl.constexpr, W: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BVD: tl.constexpr, WP: tl.constexpr, NV: tl.constexpr,
+    GP: tl.constexpr,
 ):  # fmt: skip
     i_v, i_h = tl.program_id(0), tl.program_id(1)
     G: tl.constexpr = HV // HK
@@ -82,24 +89,39 @@ def _deltanet_decode_kernel(
     m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < VD
-    # the (K, BV) state block, read once and written once; its load is issued first so that
-    # its latency hides behind the conv and the norms
+    # NOTE: every load this program may need is issued here, before the first use, so that
+    # one memory latency covers them all: the step is a chain of dependent latencies.
     p_s = state + i_h * K * VD + o_k[:, None] * VD + o_v[None, :]
     m_s = m_k[:, None] & m_v[None, :]
     b_S = tl.load(p_s, mask=m_s, other=0.0)
-
-    # conv + SiLU of this program's channels: its key head's q and k, its slice of v
+    b_gb, b_ga = tl.load(b + i_h), tl.load(a + i_h)
+    b_alog, b_dtb = tl.load(A_log + i_h), tl.load(dt_bias + i_h)
+    # conv + SiLU of this program's channels: its key head's q and k, its slice of v (all
+    # operands loaded before any arithmetic: reductions put barriers between loads)
     c_q = i_kh * K + o_k
     c_k = HK * K + i_kh * K + o_k
     c_v = 2 * HK * K + i_h * VD + o_v
-    b_q, s_q, x_q = conv_silu_channels(x, conv_w, conv_state, c_q, m_k, C, W, WP)
-    b_k, s_k, x_k = conv_silu_channels(x, conv_w, conv_state, c_k, m_k, C, W, WP)
-    b_v, s_v, x_v = conv_silu_channels(x, conv_w, conv_state, c_v, m_v, C, W, WP)
+    s_q, wt_q, wl_q, x_q = conv_load(x, conv_w, conv_state, c_q, m_k, C, W, WP)
+    s_k, wt_k, wl_k, x_k = conv_load(x, conv_w, conv_state, c_k, m_k, C, W, WP)
+    s_v, wt_v, wl_v, x_v = conv_load(x, conv_w, conv_state, c_v, m_v, C, W, WP)
+    o_g = tl.arange(0, GP)
+    o_a = tl.arange(0, BVD)
+    m_ga = (o_g < G)[:, None] & (o_a < VD)[None, :]
+    # last: their layout conversions put a barrier right after the load
+    if NV == 1:  # z of this head and the norm weight
+        b_z = tl.load(z + i_h * VD + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_nw = tl.load(norm_w + o_v, mask=m_v, other=0.0).to(tl.float32)
+    else:  # z of all G heads of the key head, in case this program normalises them
+        p_za = z + (i_kh * G + o_g)[:, None] * VD + o_a[None, :]
+        b_za = tl.load(p_za, mask=m_ga, other=0.0).to(tl.float32)
+        b_nwa = tl.load(norm_w + o_a, mask=o_a < VD, other=0.0).to(tl.float32)
+
+    b_q = conv_silu(s_q, wt_q, wl_q, x_q)
+    b_k = conv_silu(s_k, wt_k, wl_k, x_k)
+    b_v = conv_silu(s_v, wt_v, wl_v, x_v)
     b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 0) + 1e-6) * q_scale
     b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 0) + 1e-6)
-    b_g, b_beta = deltanet_gates(
-        tl.load(b + i_h), tl.load(a + i_h), tl.load(A_log + i_h), tl.load(dt_bias + i_h)
-    )
+    b_g, b_beta = deltanet_gates(b_gb, b_ga, b_alog, b_dtb)
 
     # the recurrence: decay, delta-rule write, read out
     b_S = b_S * tl.exp(b_g)
@@ -108,7 +130,14 @@ def _deltanet_decode_kernel(
     b_o = tl.sum(b_S * b_q[:, None], 0)
     tl.store(p_s, b_S, mask=m_s)
 
-    # conv state: the v slice is ours alone; q/k go to the last program of the key head
+    if NV == 1:  # the whole head row is here: gated RMSNorm at once
+        b_y = gated_rmsnorm_rows(b_o[None, :], b_z[None, :], b_nw, eps, VD)
+        tl.store(out + i_h * VD + o_v[None, :], b_y.to(out.dtype.element_ty), mask=m_v[None, :])
+    else:  # park the slice for the last program of the key head
+        tl.store(o_buf + i_h * VD + o_v, b_o, mask=m_v)
+    # conv state: the v slice is ours alone; the q/k channels are read by all G*NV programs
+    # of the key head, so the last of them to arrive shifts them (and, when the heads are
+    # split over programs, normalises the G heads' rows): one atomic for both
     tl.debug_barrier()
     conv_shift_store(conv_state, c_v, m_v, s_v, x_v, C, W, WP)
     if G * NV == 1:
@@ -119,34 +148,19 @@ def _deltanet_decode_kernel(
         if n_kh == G * NV - 1:
             conv_shift_store(conv_state, c_q, m_k, s_q, x_q, C, W, WP)
             conv_shift_store(conv_state, c_k, m_k, s_k, x_k, C, W, WP)
+            if NV > 1:
+                p_oa = (i_kh * G + o_g)[:, None] * VD + o_a[None, :]
+                b_oa = tl.load(o_buf + p_oa, mask=m_ga, other=0.0, cache_modifier=".cg")
+                b_y = gated_rmsnorm_rows(b_oa, b_za, b_nwa, eps, VD)
+                tl.store(out + p_oa, b_y.to(out.dtype.element_ty), mask=m_ga)
             tl.atomic_xchg(counters + i_kh, 0)
-
-    # gated RMSNorm over the whole head row
-    b_w = tl.load(norm_w + o_v, mask=m_v, other=0.0).to(tl.float32)
-    if NV == 1:
-        b_z = tl.load(z + i_h * VD + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_y = gated_rmsnorm_rows(b_o[None, :], b_z[None, :], b_w, eps, VD)
-        tl.store(out + i_h * VD + o_v[None, :], b_y.to(out.dtype.element_ty), mask=m_v[None, :])
-    else:
-        tl.store(o_buf + i_h * VD + o_v, b_o, mask=m_v)
-        tl.debug_barrier()
-        n_h = tl.atomic_add(counters + HK + i_h, 1, sem="acq_rel")
-        if n_h == NV - 1:
-            o_a = tl.arange(0, BVD)
-            m_a = o_a < VD
-            b_oa = tl.load(o_buf + i_h * VD + o_a, mask=m_a, other=0.0, cache_modifier=".cg")
-            b_za = tl.load(z + i_h * VD + o_a, mask=m_a, other=0.0).to(tl.float32)
-            b_wa = tl.load(norm_w + o_a, mask=m_a, other=0.0).to(tl.float32)
-            b_y = gated_rmsnorm_rows(b_oa[None, :], b_za[None, :], b_wa, eps, VD)
-            tl.store(out + i_h * VD + o_a[None, :], b_y.to(out.dtype.element_ty), mask=m_a[None, :])
-            tl.atomic_xchg(counters + HK + i_h, 0)
 
 
 @dataclass
 class DeltaNetDecodeWorkspace:
-    """Scratch for the decode kernel: counters (Hk + Hv,) int32, zero between launches (the
-    kernel resets them), and the fp32 row buffer (Hv*Vd,). One per device and stream; it
-    may be shared by all layers since layers run one after another."""
+    """Scratch for the decode kernel: counters (Hk,) int32, one per key head, zero between
+    launches (the kernel resets them), and the fp32 row buffer (Hv*Vd,). One per device and
+    stream; all layers may share it since they run one after another."""
 
     counters: Tensor
     o_buf: Tensor
@@ -156,7 +170,7 @@ class DeltaNetDecodeWorkspace:
         cls, num_k_heads: int, num_v_heads: int, v_dim: int, device: torch.device | str
     ) -> DeltaNetDecodeWorkspace:
         return cls(
-            torch.zeros(num_k_heads + num_v_heads, dtype=torch.int32, device=device),
+            torch.zeros(num_k_heads, dtype=torch.int32, device=device),
             torch.empty(num_v_heads * v_dim, dtype=torch.float32, device=device),
         )
 
@@ -232,7 +246,7 @@ def deltanet_decode(
     if workspace is None:
         workspace = DeltaNetDecodeWorkspace.new(hk, hv, vd, state.device)
     _check(
-        workspace.counters.numel() >= hk + hv and workspace.o_buf.numel() >= hv * vd,
+        workspace.counters.numel() >= hk and workspace.o_buf.numel() >= hv * vd,
         "workspace too small for these shapes",
     )
     out = torch.empty(*lead, hv * vd, dtype=mixed_qkv.dtype, device=state.device)
@@ -262,6 +276,7 @@ def deltanet_decode(
         BVD=triton.next_power_of_2(vd),
         WP=triton.next_power_of_2(max(width - 1, 1)),
         NV=nv,
+        GP=triton.next_power_of_2(hv // hk),
         num_warps=num_warps,
     )
     return out

@@ -1,10 +1,10 @@
 """Fused per-head norm and rotary helpers shared by the mixer kernels.
 
 Triton helpers (called from other kernels): ``rms_rope_rows`` (RMSNorm of head rows, then
-rotate-half RoPE on the first R dims), ``gated_rmsnorm_rows`` (DeltaNet's output norm) and
-small activations. One standalone kernel, ``gated_rmsnorm``, for the prefill paths that
-cannot fuse the norm into the scan. ``rope_inv_freq`` builds the frequency table the
-kernels take.
+rotate-half RoPE on the first R dims; also split as ``rms_rope_load`` + ``rms_rope_apply``),
+``gated_rmsnorm_rows`` (DeltaNet's output norm) and small activations. One standalone
+kernel, ``gated_rmsnorm``, for the prefill paths that cannot fuse the norm into the scan.
+``rope_inv_freq`` builds the frequency table the kernels take.
 """
 
 from __future__ import annotations
@@ -56,23 +56,19 @@ def rope_cos_sin(pos, freq):
 
 
 @triton.jit
-def rms_rope_rows(
-    p_x, row_off, row_mask, p_w, p_f, pos, eps, D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr,
+def rms_rope_load(
+    p_x, row_off, row_mask, p_w, p_f, D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr,
 ):  # fmt: skip
-    """RMSNorm (weight = multiplier) then RoPE on the first R dims of rows of length D.
-
-    Row i lives at ``p_x + row_off[i]`` (contiguous D values) at position ``pos[i]``; returns
-    the (BR, BD) fp32 block. The rotate-half partner of a column is loaded again from memory
-    (normalised with its own weight) rather than shuffled in registers.
-    """
+    """The operands of ``rms_rope_apply`` for rows at ``p_x + row_off[i]`` (D contiguous
+    values): x, the weight, x and weight at each column's rotate-half partner (loaded again
+    rather than shuffled in registers) and the frequencies. Loading is split from the maths
+    so that callers can issue all their loads before the first reduction's barrier."""
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     b_x = tl.load(
         p_x + row_off[:, None] + o_d[None, :], mask=row_mask[:, None] & m_d[None, :], other=0.0
-    ).to(tl.float32)
-    b_r = tl.rsqrt(tl.sum(b_x * b_x, 1) / D + eps)
-    b_w = tl.load(p_w + o_d, mask=m_d, other=0.0).to(tl.float32)
-    b_y = b_x * b_r[:, None] * b_w[None, :]
+    )
+    b_w = tl.load(p_w + o_d, mask=m_d, other=0.0)
     if R > 0:
         HALF: tl.constexpr = R // 2
         m_rot = o_d < R
@@ -81,14 +77,41 @@ def rms_rope_rows(
             p_x + row_off[:, None] + o_p[None, :],
             mask=row_mask[:, None] & m_rot[None, :],
             other=0.0,
-        ).to(tl.float32)
-        b_wp = tl.load(p_w + o_p, mask=m_rot, other=0.0).to(tl.float32)
-        b_yp = b_xp * b_r[:, None] * b_wp[None, :]
+        )
+        b_wp = tl.load(p_w + o_p, mask=m_rot, other=0.0)
         b_f = tl.load(p_f + o_d % HALF, mask=m_rot, other=0.0)
+        return b_x, b_w, b_xp, b_wp, b_f
+    else:
+        return b_x, b_w, b_x, b_w, b_w  # no rotation: placeholders
+
+
+@triton.jit
+def rms_rope_apply(
+    b_x, b_w, b_xp, b_wp, b_f, pos, eps, D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr,
+):  # fmt: skip
+    """RMSNorm (weight = multiplier) then RoPE on the first R dims, rows at positions
+    ``pos`` (BR,); operands from ``rms_rope_load``; returns the (BR, BD) fp32 block."""
+    o_d = tl.arange(0, BD)
+    b_x = b_x.to(tl.float32)
+    b_r = tl.rsqrt(tl.sum(b_x * b_x, 1) / D + eps)
+    b_y = b_x * b_r[:, None] * b_w.to(tl.float32)[None, :]
+    if R > 0:
+        HALF: tl.constexpr = R // 2
+        b_yp = b_xp.to(tl.float32) * b_r[:, None] * b_wp.to(tl.float32)[None, :]
         b_cos, b_sin = rope_cos_sin(pos[:, None], b_f[None, :])
         b_sign = tl.where(o_d < HALF, -1.0, 1.0)
-        b_y = tl.where(m_rot[None, :], b_y * b_cos + b_sign[None, :] * b_yp * b_sin, b_y)
+        b_y = tl.where((o_d < R)[None, :], b_y * b_cos + b_sign[None, :] * b_yp * b_sin, b_y)
     return b_y
+
+
+@triton.jit
+def rms_rope_rows(
+    p_x, row_off, row_mask, p_w, p_f, pos, eps, D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr,
+):  # fmt: skip
+    """RMSNorm then RoPE of rows at ``p_x + row_off[i]``: ``rms_rope_load`` then
+    ``rms_rope_apply``; returns the (BR, BD) fp32 block."""
+    b_x, b_w, b_xp, b_wp, b_f = rms_rope_load(p_x, row_off, row_mask, p_w, p_f, D, R, BD)
+    return rms_rope_apply(b_x, b_w, b_xp, b_wp, b_f, pos, eps, D, R, BD)
 
 
 @triton.jit

@@ -216,8 +216,9 @@ def run_decode(d, t, cs, st, **kw):
         ((2, 4), 16, torch.bfloat16, 1e-2),  # 3 Vd blocks: last-arrival norm and conv state
         ((2, 4), 64, torch.bfloat16, 1e-2),  # one block per head: norm fused directly
         ((4, 4), 64, torch.float32, 1e-5),  # G = 1 and one block: no counters at all
+        ((4, 4), 16, torch.float32, 1e-5),  # G = 1, 3 blocks: the counter for the norm only
     ],
-    ids=["split-bf16", "whole-bf16", "g1-fp32"],
+    ids=["split-bf16", "whole-bf16", "g1-fp32", "g1-split-fp32"],
 )
 def test_decode_step_matches_reference(device, heads, block_v, dtype, bound):
     hk, hv = heads
