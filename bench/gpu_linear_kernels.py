@@ -4,6 +4,9 @@ Run from the repository root on the GPU machine (about 3-4 minutes, most of it c
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 bench/gpu_linear_kernels.py --out $OUT/linear.json
 
+Without a GPU, ``--compile-only`` compiles the same configurations for sm_90 and prints
+registers, spilled stack bytes, shared memory and warpgroup MMA count per kernel.
+
 Order: the ceilings (device-to-device copy, read-only sum, bf16 matmul), then at the real
 shapes (D=2048, MLX 4-bit group 64, 8-bit routers) every op is checked against the fp32
 reference in lily.ops.ref_linear on fresh random inputs and timed:
@@ -350,6 +353,119 @@ def moe_prefill_rows(ceil: dict, w: dict, gen: torch.Generator) -> list[dict]:
     return rows
 
 
+# ------------------------------------------------------------------------------ compile
+
+
+def zero_qweight(shape: tuple[int, ...], bits: int, gs: int = 64) -> QuantWeight:
+    *lead, n, k = shape
+    return QuantWeight(
+        torch.zeros(*lead, n, k * bits // 32, dtype=torch.int32),
+        torch.zeros(*lead, n, k // gs, dtype=BF16), torch.zeros(*lead, n, k // gs, dtype=BF16),
+        bits, gs,
+    )  # fmt: skip
+
+
+def compile_report() -> list[dict]:
+    """No GPU: compile every configuration the bench times for sm_90 and read what ptxas
+    gave each kernel (registers, stack bytes = spills, warpgroup MMAs in the SASS).
+
+    The public functions run on CPU tensors of the real shapes with every kernel launch
+    intercepted, so each kernel sees the arguments its launcher passes (ON_CPU forced off).
+    """
+    import re
+    import tempfile
+    from pathlib import Path
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    launches: list = []
+    real_getitem = JITFunction.__getitem__
+    JITFunction.__getitem__ = lambda fn, grid: lambda *a, **kw: launches.append((fn, a, kw))
+    try:
+        x = torch.zeros(2048, dtype=BF16)
+        for name, n, k, bits in GEMV_SHAPES:
+            n_model = n
+            n = min(n, 65536)  # the lm_head's table tile is the same from 65536 rows
+            for cfg in [None] + GEMV_SWEEP.get(name, []):
+                cfg = cfg or gemv_config(n_model, k, 1, bits, 64)
+                launches.append(f"{name} {cfg_str(cfg)}")
+                qgemv(torch.zeros(k, dtype=BF16), zero_qweight((n, k), bits), config=cfg)
+        for t in (2, 4, 8):
+            launches.append(f"rows T={t}")
+            qgemv(torch.zeros(t, ROWS_SHAPE[1], dtype=BF16), zero_qweight(ROWS_SHAPE, 4))
+        for name, n, k in GEMM_SHAPES:
+            for cfg in [gemm_config(t, n, k, 64) for t in GEMM_T] + GEMM_SWEEP:
+                launches.append(f"{name} {cfg_str(cfg)}")
+                qgemm(torch.zeros(cfg.block_m, k, dtype=BF16), zero_qweight((n, k), 4), config=cfg)
+        w = {"router": zero_qweight((E, D), 8), "gate": zero_qweight((E, I_E, D), 4),
+             "up": zero_qweight((E, I_E, D), 4), "down": zero_qweight((E, D, I_E), 4),
+             "shared_gate": zero_qweight((I_S, D), 4), "shared_up": zero_qweight((I_S, D), 4),
+             "shared_down": zero_qweight((D, I_S), 4),
+             "shared_expert_gate": zero_qweight((1, D), 8)}  # fmt: skip
+        args = list(w.values())
+        for cfg in [None, MoeDecodeConfig(GemvConfig(8, 32), GemvConfig(16, 8)),
+                    MoeDecodeConfig(GemvConfig(16, 16, 1, 8), GemvConfig(4, 8, 1, 2))]:  # fmt: skip
+            launches.append(f"moe_decode {cfg_str(cfg or MoeDecodeConfig())}")
+            moe_decode(x, *args, TOP_K, x, config=cfg)
+        for t in PREFILL_T:
+            for bm in (None, *PREFILL_BM):
+                cfg = moe_prefill_config(t if bm is None else bm * E // TOP_K, TOP_K, E)
+                for atomic in (False, True):
+                    launches.append(f"moe_prefill T={t} {'atomic ' * atomic}{cfg_str(cfg)}")
+                    xt = torch.zeros(t, D, dtype=BF16)
+                    moe_prefill(xt, *args, TOP_K, xt, atomic=atomic, config=cfg)
+    finally:
+        JITFunction.__getitem__ = real_getitem
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    types = {BF16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32", torch.int64: "*i64"}
+    rows, seen, label = [], set(), ""
+    for item in launches:
+        if isinstance(item, str):
+            label = item
+            continue
+        fn, a, kw = item
+        const = {k: v for k, v in kw.items() if k in fn.arg_names}
+        if "ON_CPU" in const:
+            const["ON_CPU"] = False
+        opts = {"num_warps": kw.get("num_warps", 4), "num_stages": kw.get("num_stages", 3)}
+        key = (fn.__name__, tuple(sorted(const.items())), tuple(opts.values()))
+        if key in seen:
+            continue
+        seen.add(key)
+        sig, attrs = {}, {}
+        for i, (name, v) in enumerate(zip(fn.arg_names, a, strict=False)):
+            if isinstance(v, torch.Tensor):
+                sig[name], aligned = types[v.dtype], True
+            else:
+                sig[name] = "fp32" if isinstance(v, float) else "i32"
+                aligned = isinstance(v, int) and v % 16 == 0
+            if aligned:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        sig.update({k: "constexpr" for k in const})
+        row = {"kernel": fn.__name__, "config": label, **opts}
+        try:
+            src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
+            c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+            with tempfile.TemporaryDirectory() as tmp:
+                cubin = Path(tmp) / "k.cubin"
+                cubin.write_bytes(c.asm["cubin"])
+                tool = str(bin_dir / "cuobjdump")
+                res = subprocess.run([tool, "--dump-resource-usage", str(cubin)],
+                                     capture_output=True, text=True).stdout  # fmt: skip
+                sass = subprocess.run([tool, "--dump-sass", str(cubin)], capture_output=True,
+                                      text=True).stdout  # fmt: skip
+            m = re.search(r"REG:(\d+) STACK:(\d+)", res)
+            row |= {"regs": int(m.group(1)), "stack": int(m.group(2)),
+                    "smem": c.metadata.shared, "wgmma": sass.count("HGMMA")}  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - a config that does not compile is data
+            row["error"] = f"{type(e).__name__}: {e}"[:200]
+        rows.append(row)
+    return rows
+
+
 # ------------------------------------------------------------------------------ report
 
 
@@ -376,10 +492,22 @@ def main() -> None:
     ap.add_argument("--only", default="gemv,gemm,moe_decode,moe_prefill")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="table tiles only, no sweeps")
+    ap.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="no GPU: compile for sm_90 and report registers, spills, shared memory",
+    )
     args = ap.parse_args()
     if args.quick:
         global GEMV_SWEEP, GEMM_SWEEP, PREFILL_BM
         GEMV_SWEEP, GEMM_SWEEP, PREFILL_BM = {}, [], ()
+    if args.compile_only:
+        rows = compile_report()
+        print(table(rows, ["kernel", "config", "num_warps", "num_stages", "regs", "stack",
+                           "smem", "wgmma"]))  # fmt: skip
+        with open(args.out, "w") as f:
+            json.dump({"compile_only": rows}, f, indent=1)
+        return
     if not torch.cuda.is_available():
         sys.exit("bench/gpu_linear_kernels.py needs a CUDA GPU")
     t0 = time.time()

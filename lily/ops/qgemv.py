@@ -278,7 +278,7 @@ def gemv_config(n: int, k: int, t: int, bits: int, group_size: int) -> GemvConfi
     per_step = min(triton.next_power_of_2(n_groups), max(1, 2048 // group_size // t))
     if n >= 65536:  # lm_head: many row blocks, loop over K with a big tile
         return GemvConfig(64, min(per_step, max(1, 512 // group_size)), 1, 4)
-    block_n = 16 if n >= 4096 and t == 1 else 8
+    block_n = 16 if n >= 8192 and t == 1 else 8
     row_blocks = triton.cdiv(n, block_n)
     split = min(max(1, 512 // row_blocks), max(1, n_groups // 2), 16)
     block_g = min(per_step, triton.next_power_of_2(triton.cdiv(n_groups, split)))
