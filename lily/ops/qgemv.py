@@ -1,8 +1,8 @@
 """Quantized GEMV for decode: ``x @ w.T`` for one row (or up to 8) against MLX-packed weights.
 
 Decode is bound by the bytes of the packed weight, so the kernel reads each word once, with
-16-byte loads, and spends about three instructions per 4-bit code (budget at full bandwidth on
-an H200: about 4.5). The trick that makes that possible (see docs/notes/linear_kernels.md):
+16-byte loads, and spends about 3.5 instructions per 4-bit code in its inner loop (budget
+at full bandwidth on an H200: about 4.5). The trick that makes that possible (see docs/notes/linear_kernels.md):
 
 * a code is never converted int -> float. Masked into the mantissa of 1.0 at bit ``p`` it
   *is* the float ``f = 1 + q * 2**(p - 23)``; for 4 bits, even codes land at bit 19 and odd
