@@ -40,9 +40,10 @@ def models(tmp_path_factory):
     return ref, fast
 
 
-def test_kernel_runner_matches_reference(models):
+@pytest.mark.parametrize("graphs", [False, True] if CUDA else [False], ids=lambda g: f"graphs={g}")
+def test_kernel_runner_matches_reference(models, graphs):
     ref, fast = models
-    runner = GpuRunner(fast, chunk=16, use_graphs=CUDA)
+    runner = GpuRunner(fast, chunk=16, use_graphs=graphs)
     prompt = [7, 300, 12, 45, 99, 1, 250, 31, 8, 77, 400, 5, 6, 140, 141, 142, 9, 3, 21]
     st = SessionState.new(fast.cfg, DEVICE, torch.bfloat16, 512, initial_capacity=512)
     logits = [runner.prefill(prompt, st)]
