@@ -48,6 +48,7 @@ DN_DECODE_CONFIGS = [(bv, w) for bv in (16, 32, 64, 128) for w in (4, 8)]  # blo
 DN_PREFILL_T = (512, 2048, 8192)
 DN_PREFILL_CONFIGS = [("scan", 16), ("scan", 32), ("scan", 128)]
 DN_PREFILL_CONFIGS += [("chunk", 32), ("chunk", 64), ("chunk", 128)]
+DN_PREFILL_CONFIGS += [("chunk_par", 32), ("chunk_par", 64), ("chunk_par", 128)]
 SCAN_ALL_UP_TO = 2048  # longer chunks time only the first scan configuration (it is slow)
 ATTN_CONTEXTS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 ATTN_SPLITS = (64, 256, 1024)  # tried beside the plain variant and default_split

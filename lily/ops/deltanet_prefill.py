@@ -13,6 +13,10 @@ Three stages, each a kernel:
      and u = T (beta*v); ``_chunk_scan_kernel`` then walks the chunks in order with the
      state on chip: v' = u - w S, o = (q*exp(gc)) S + tril(q k^T * decay) v',
      S = exp(g_last) S + (k*exp(g_last-gc))^T v'.
+   - ``method="chunk_par"``: the same maths split as in flash-linear-attention:
+     ``_chunk_state_kernel`` walks the chunks keeping only v' and the state update on the
+     sequential path (storing each chunk's starting state, bf16), and ``_chunk_out_kernel``
+     computes every chunk's outputs in parallel, gated norm fused.
 3. the gated RMSNorm, fused into the scan when one program covers a whole head (BV >= Vd),
    else a separate small kernel.
 The state (Hv, K, Vd) fp32 and the conv state (W-1, C) are updated in place.
@@ -25,7 +29,7 @@ import triton
 import triton.language as tl
 
 from lily.ops.deltanet_decode import deltanet_gates
-from lily.ops.norm_rope import gated_rmsnorm, silu
+from lily.ops.norm_rope import gated_rmsnorm, gated_rmsnorm_rows, silu
 
 Tensor = torch.Tensor
 
@@ -275,6 +279,83 @@ def _chunk_scan_kernel(
     tl.store(p_s, b_S, mask=m_s)
 
 
+@triton.jit
+def _chunk_state_kernel(
+    y, g, w, u, state, h, vn, T, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+    VD: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    """The sequential part alone ("chunk_par"): per chunk, the state at its start -> h and
+    v' = u - w S -> vn, then the state update. Two dependent products per step."""
+    i_v, i_h = tl.program_id(0), tl.program_id(1)
+    C: tl.constexpr = 2 * HK * K + HV * VD
+    i_kh = i_h // (HV // HK)
+    o_i = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < VD
+    m_s = m_k[:, None] & m_v[None, :]
+    p_s = state + i_h * K * VD + o_k[:, None] * VD + o_v[None, :]
+    b_S = tl.load(p_s, mask=m_s, other=0.0)
+    dt = y.dtype.element_ty
+    for i_c in range(tl.cdiv(T, BT)):
+        o_t = i_c * BT + o_i
+        m_t = o_t < T
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_gc = tl.cumsum(tl.load(g + o_t * HV + i_h, mask=m_t, other=0.0), 0)
+        b_gl = tl.sum(tl.where(o_i == BT - 1, b_gc, 0.0))
+        b_k = tl.load(y + o_t[:, None] * C + HK * K + i_kh * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_w = tl.load(w + (o_t[:, None] * HV + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+        p_tv = (o_t[:, None] * HV + i_h) * VD + o_v[None, :]
+        b_u = tl.load(u + p_tv, mask=m_tv, other=0.0).to(tl.float32)
+        b_Sd = b_S.to(dt)
+        tl.store(h + ((i_c * HV + i_h) * K + o_k[:, None]) * VD + o_v[None, :], b_Sd, mask=m_s)
+        b_vn = b_u - tl.dot(b_w, b_Sd)
+        tl.store(vn + p_tv, b_vn.to(dt), mask=m_tv)
+        b_vd = (b_vn * tl.exp(b_gl - b_gc)[:, None]).to(dt)
+        b_S = b_S * tl.exp(b_gl) + tl.dot(tl.trans(b_k), b_vd)
+    tl.store(p_s, b_S, mask=m_s)
+
+
+@triton.jit
+def _chunk_out_kernel(
+    y, g, h, vn, z, norm_w, out, T, eps, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+    VD: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BVD: tl.constexpr,
+):  # fmt: skip
+    """The outputs of one chunk and head, in parallel over chunks ("chunk_par"):
+    o = diag(e^gc) q h + tril(q k^T * decay) v', then the gated RMSNorm (whole heads)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    C: tl.constexpr = 2 * HK * K + HV * VD
+    i_kh = i_h // (HV // HK)
+    o_i = tl.arange(0, BT)
+    o_t = i_c * BT + o_i
+    m_t = o_t < T
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = tl.arange(0, BVD)
+    m_v = o_v < VD
+    m_tk = m_t[:, None] & m_k[None, :]
+    m_tv = m_t[:, None] & m_v[None, :]
+    b_gc = tl.cumsum(tl.load(g + o_t * HV + i_h, mask=m_t, other=0.0), 0)
+    b_q = tl.load(y + o_t[:, None] * C + i_kh * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_k = tl.load(y + o_t[:, None] * C + HK * K + i_kh * K + o_k[None, :], mask=m_tk, other=0.0)
+    p_h = h + ((i_c * HV + i_h) * K + o_k[:, None]) * VD + o_v[None, :]
+    b_h = tl.load(p_h, mask=m_k[:, None] & m_v[None, :], other=0.0)
+    p_tv = (o_t[:, None] * HV + i_h) * VD + o_v[None, :]
+    b_vn = tl.load(vn + p_tv, mask=m_tv, other=0.0)
+    b_z = tl.load(z + p_tv, mask=m_tv, other=0.0).to(tl.float32)
+    b_nw = tl.load(norm_w + o_v, mask=m_v, other=0.0).to(tl.float32)
+    causal = o_i[:, None] >= o_i[None, :]
+    b_qk = tl.dot(b_q, tl.trans(b_k))
+    b_qk = tl.where(
+        causal, b_qk * tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], 0.0)), 0.0
+    )
+    b_o = tl.dot(b_q, b_h) * tl.exp(b_gc)[:, None] + tl.dot(b_qk.to(b_vn.dtype), b_vn)
+    b_y = gated_rmsnorm_rows(b_o, b_z, b_nw, eps, VD)
+    tl.store(out + p_tv, b_y.to(out.dtype.element_ty), mask=m_tv)
+
+
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(f"deltanet_prefill: {msg}")
@@ -302,10 +383,15 @@ def deltanet_prefill(
 
     mixed_qkv (T, C) the in_proj_qkv output q|k|v (C = 2*Hk*K + Hv*Vd); z (T, Hv*Vd); b, a
     (T, Hv); conv_weight (C, W); conv_state (W-1, C); A_log, dt_bias (Hv,); norm_weight
-    (Vd,); state (Hv, K, Vd) fp32. ``method`` is "chunk" (matrix form, chunks of
-    ``chunk_size``) or "scan" (token by token). Returns (T, Hv*Vd) in mixed_qkv's dtype.
+    (Vd,); state (Hv, K, Vd) fp32. ``method``: "chunk" (matrix form over chunks of
+    ``chunk_size``, outputs computed on the sequential walk), "chunk_par" (the same, with only
+    the states on the sequential walk and the outputs in a parallel kernel) or "scan" (token
+    by token). Returns (T, Hv*Vd) in mixed_qkv's dtype.
     """
-    _check(method in ("chunk", "scan"), f"method must be 'chunk' or 'scan', got {method!r}")
+    _check(
+        method in ("chunk", "chunk_par", "scan"),
+        f"method must be 'chunk', 'chunk_par' or 'scan', got {method!r}",
+    )
     _check(
         state.dim() == 3 and state.dtype == torch.float32 and state.is_contiguous(),
         f"state must be a contiguous fp32 (Hv, K, Vd) tensor, got {tuple(state.shape)} "
@@ -353,111 +439,61 @@ def deltanet_prefill(
         method == "scan" or min(kd, vd) >= 16,
         f"the chunked form needs K, Vd >= 16 (tensor-core tiles), got K={kd}, Vd={vd}",
     )
-    dev = state.device
-    bk, bvd = triton.next_power_of_2(kd), triton.next_power_of_2(vd)
+    dev, bk, bvd = state.device, triton.next_power_of_2(kd), triton.next_power_of_2(vd)
 
     # 1. conv + norms + gates
     bt_prep = 32
     _check(width - 1 <= bt_prep, f"conv kernel {width} too wide")
     y = torch.empty(t, c, dtype=mixed_qkv.dtype, device=dev)
-    g = torch.empty(t, hv, dtype=torch.float32, device=dev)
-    beta = torch.empty(t, hv, dtype=torch.float32, device=dev)
+    g, beta = (torch.empty(t, hv, dtype=torch.float32, device=dev) for _ in range(2))
+    wp = triton.next_power_of_2(max(width - 1, 1))
     _prep_kernel[(triton.cdiv(t, bt_prep), 2 * hk + hv)](
-        mixed_qkv,
-        conv_weight,
-        conv_state,
-        b,
-        a,
-        A_log,
-        dt_bias,
-        y,
-        g,
-        beta,
-        t,
-        kd**-0.5,
-        HK=hk,
-        HV=hv,
-        K=kd,
-        VD=vd,
-        W=width,
-        BT=bt_prep,
-        BC=max(bk, bvd),
-        WP=triton.next_power_of_2(max(width - 1, 1)),
-        num_warps=4,
-    )
+        mixed_qkv, conv_weight, conv_state, b, a, A_log, dt_bias, y, g, beta, t, kd**-0.5,
+        HK=hk, HV=hv, K=kd, VD=vd, W=width, BT=bt_prep, BC=max(bk, bvd), WP=wp, num_warps=4,
+    )  # fmt: skip
+    dims = {"HK": hk, "HV": hv, "K": kd, "VD": vd, "BK": bk}
 
-    # 2. the recurrence (+ the norm when a program sees whole heads)
+    # 2. the recurrence (+ the norm where a program sees whole heads)
     if block_v is None:
         # no register spills at the real shapes (K = Vd = 128, sm_90): see mixer_kernels.md
         block_v = 16 if method == "scan" else 32
-    # tl.dot needs 16 columns at least (chunk form); the token scan takes any block
-    bv = min(max(triton.next_power_of_2(block_v), 16 if method == "chunk" else 1), bvd)
+    # tl.dot needs 16 columns at least (chunk forms); the token scan takes any block
+    bv = min(max(triton.next_power_of_2(block_v), 1 if method == "scan" else 16), bvd)
     nv = triton.cdiv(vd, bv)
-    fuse = nv == 1
-    if fuse:
-        o_buf = torch.empty(t, hv * vd, dtype=mixed_qkv.dtype, device=dev)
+    fuse = nv == 1 and method != "chunk_par"
+    out_dtype = mixed_qkv.dtype
+    if fuse or method == "chunk_par":
+        o_buf = torch.empty(t, hv * vd, dtype=out_dtype, device=dev)
     else:
         o_buf = torch.empty(t, hv, vd, dtype=torch.float32, device=dev)
     if method == "scan":
         _scan_kernel[(nv, hv)](
-            y,
-            g,
-            beta,
-            state,
-            z,
-            norm_weight,
-            o_buf,
-            t,
-            eps,
-            HK=hk,
-            HV=hv,
-            K=kd,
-            VD=vd,
-            BK=bk,
-            BV=bv,
-            FUSE_NORM=fuse,
-            num_warps=num_warps or 4,
-        )
-    else:
-        w = torch.empty(t, hv, kd, dtype=mixed_qkv.dtype, device=dev)
-        u = torch.empty(t, hv, vd, dtype=mixed_qkv.dtype, device=dev)
-        _chunk_wy_kernel[(triton.cdiv(t, chunk_size), hv)](
-            y,
-            g,
-            beta,
-            w,
-            u,
-            t,
-            HK=hk,
-            HV=hv,
-            K=kd,
-            VD=vd,
-            BT=chunk_size,
-            BK=bk,
-            BVD=bvd,
-            NSQ=max(0, (chunk_size // 16).bit_length() - 2),  # squarings: M^(BT/16) = 0
-            num_warps=4,
-        )
+            y, g, beta, state, z, norm_weight, o_buf, t, eps, BV=bv, FUSE_NORM=fuse,
+            num_warps=num_warps or 4, **dims,
+        )  # fmt: skip
+        return o_buf if fuse else gated_rmsnorm(o_buf, z, norm_weight, eps, out_dtype)
+    nt = triton.cdiv(t, chunk_size)
+    w = torch.empty(t, hv, kd, dtype=out_dtype, device=dev)
+    u = torch.empty(t, hv, vd, dtype=out_dtype, device=dev)
+    nsq = max(0, (chunk_size // 16).bit_length() - 2)  # squarings until M^(BT/16) = 0
+    _chunk_wy_kernel[(nt, hv)](
+        y, g, beta, w, u, t, BT=chunk_size, BVD=bvd, NSQ=nsq, num_warps=4, **dims
+    )  # fmt: skip
+    if method == "chunk":
         _chunk_scan_kernel[(nv, hv)](
-            y,
-            g,
-            w,
-            u,
-            state,
-            z,
-            norm_weight,
-            o_buf,
-            t,
-            eps,
-            HK=hk,
-            HV=hv,
-            K=kd,
-            VD=vd,
-            BT=chunk_size,
-            BK=bk,
-            BV=bv,
-            FUSE_NORM=fuse,
-            num_warps=num_warps or (8 if bv * bk >= 128 * 128 else 4),
-            num_stages=2,  # prefetch the next chunk; a third stage only costs shared memory
-        )
-    return o_buf if fuse else gated_rmsnorm(o_buf, z, norm_weight, eps, mixed_qkv.dtype)
+            y, g, w, u, state, z, norm_weight, o_buf, t, eps, BT=chunk_size, BV=bv,
+            FUSE_NORM=fuse, num_warps=num_warps or (8 if bv * bk >= 128 * 128 else 4),
+            num_stages=2, **dims,  # 2 stages prefetch the next chunk; 3 only cost memory
+        )  # fmt: skip
+        return o_buf if fuse else gated_rmsnorm(o_buf, z, norm_weight, eps, out_dtype)
+    # "chunk_par": states per chunk start, then all outputs in parallel (norm fused)
+    h = torch.empty(nt, hv, kd, vd, dtype=out_dtype, device=dev)
+    vn = torch.empty(t, hv, vd, dtype=out_dtype, device=dev)
+    _chunk_state_kernel[(nv, hv)](
+        y, g, w, u, state, h, vn, t, BT=chunk_size, BV=bv, num_warps=num_warps or 4,
+        num_stages=2, **dims,
+    )  # fmt: skip
+    _chunk_out_kernel[(nt, hv)](
+        y, g, h, vn, z, norm_weight, o_buf, t, eps, BT=chunk_size, BVD=bvd, num_warps=8, **dims
+    )  # fmt: skip
+    return o_buf

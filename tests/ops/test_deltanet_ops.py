@@ -309,8 +309,14 @@ def test_decode_rejects_bad_shapes():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "method,chunk_size,block_v",
-    [("scan", 64, 16), ("scan", 64, 64), ("chunk", 16, 16), ("chunk", 64, 64)],
-    ids=["scan-split-norm", "scan-fused-norm", "chunk16-split-norm", "chunk64-fused-norm"],
+    [
+        ("scan", 64, 16),
+        ("scan", 64, 64),
+        ("chunk", 16, 16),
+        ("chunk", 64, 64),
+        ("chunk_par", 16, 16),
+    ],
+    ids=["scan-split-norm", "scan-fused-norm", "chunk16-split-norm", "chunk64-fused-norm", "par16"],
 )
 def test_prefill_matches_reference(device, method, chunk_size, block_v):
     d = make_inputs(37, device=device, seed=4)
@@ -335,13 +341,15 @@ def test_chunked_form_equals_token_scan(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("split", [(20, 17), (2, 35)], ids=["20+17", "2+35"])
 def test_prefill_after_earlier_chunks_equals_one_shot(device, split):
-    """Chunks carry the conv and recurrent state; T=2 < W-1 mixes old state into the new."""
+    """Chunks carry the conv and recurrent state (and may use different methods); T=2 < W-1
+    mixes old state into the new."""
     d = make_inputs(37, device=device, seed=6)
     ref_out, ref_cs, ref_st = reference(d)
     cs, st = d["conv_state"].clone(), d["state"].clone()
     outs, s = [], 0
     for n in split:
-        outs.append(run_prefill(d, "chunk", cs, st, slice(s, s + n), chunk_size=16)[0])
+        method = "chunk" if n % 2 else "chunk_par"  # both chunked forms carry the states
+        outs.append(run_prefill(d, method, cs, st, slice(s, s + n), chunk_size=16)[0])
         s += n
     assert rel(torch.cat(outs), ref_out) < 1.5e-2
     assert rel(st, ref_st) < 2e-2
