@@ -29,6 +29,7 @@ def run(engine, lengths: list[int], decode: int) -> list[dict]:
     rows = []
     runner = engine.runner
     for n in lengths:
+        print(f"length {n}: warm-up", flush=True)
         ids = pseudo_text_ids(n, engine.cfg.vocab_size, seed=n)
         # Warm-up at this length: Triton compiles per shape outside the timed region.
         warm = engine.new_state()
@@ -37,7 +38,9 @@ def run(engine, lengths: list[int], decode: int) -> list[dict]:
         state = engine.new_state()
         for c in state.kv.values():
             c.ensure(n + decode + 8)
+        print(f"length {n}: prefill", flush=True)
         logits, t_pre = timed(lambda: runner.prefill(ids, state))
+        print(f"length {n}: decode", flush=True)
         tok = int(logits.argmax())
         runner.decode(tok, state)  # first step captures the graph
 

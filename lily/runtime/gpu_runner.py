@@ -149,10 +149,13 @@ class GpuRunner(Runner):
                 t = torch.tensor([token_id], dtype=torch.long, device=self.dev)
                 out = self._forward(t, state, self.pos, self._bucket(start, state))
             else:
-                graph, out = self._graph(state, start)
+                graph, static_out = self._graph(state, start)
                 self.tok.fill_(token_id)
                 self.pos.fill_(start)
                 graph.replay()
+                # NOTE: the graph writes the same buffer every step; hand out a copy so a
+                # caller may keep logits across steps (1 MB, about a microsecond).
+                out = static_out.clone()
         state.length = start + 1
         state.tokens.append(token_id)
         state.busy = False

@@ -58,9 +58,10 @@ def test_kernel_runner_matches_reference(models, graphs):
     want = [ref.forward(torch.tensor(prompt, device=DEVICE), rs)[0]]
     for t in toks:
         want.append(ref.forward(torch.tensor([t], device=DEVICE), rs)[0])
-    for i, (a, b) in enumerate(zip(logits, want, strict=True)):
-        assert torch.isfinite(a).all()
-        assert rel(a, b) <= TOL, f"step {i}: {rel(a, b)}"
+    errs = [rel(a, b) for a, b in zip(logits, want, strict=True)]
+    print("rel L2 per step:", " ".join(f"{e:.3g}" for e in errs))
+    assert all(torch.isfinite(a).all() for a in logits)
+    assert max(errs) <= TOL, f"per-step rel L2: {errs}"
     # Greedy continuation: the reference picks the same token wherever its choice is
     # not a near tie (bf16 rounding may flip those).
     for i, t in enumerate(toks):
