@@ -13,97 +13,31 @@ over 300 tokens).
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
-
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
-from lily.ops import (  # noqa: E402
+from lily.ops import (
     attention_decode,
     attention_prefill,
     deltanet_decode,
     deltanet_prefill,
     norm_rope,
 )
-from lily.ops.ref_mixer import ref_deltanet  # noqa: E402
+from lily.ops.ref_mixer import ref_deltanet
 
+# NOTE: without CUDA, tests/conftest.py sets TRITON_INTERPRET=1 and patches the Triton 3.6
+# interpreter's defects (tests/triton_interp.py) before any kernel module is imported.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DEVICES = [DEVICE]
 # fp32 comparisons through tl.dot: exact maths in the interpreter, tf32 on tensor cores
 DOT_F32_TOL = 1e-5 if DEVICE == "cpu" else 5e-3
-
-
-def fix_triton_interpreter() -> None:
-    """Work around three Triton 3.6 interpreter defects (the GPU compiler is not affected):
-    loop bounds that are kernel arguments fail with NumPy >= 2 (size-1 arrays lose
-    ``__index__``); ``tl.dot`` multiplies bf16 operands as their raw uint16 bits; and
-    fp32 -> bf16 casts truncate where the GPU rounds to nearest even."""
-    import numpy as np
-    import triton.language as tl
-    import triton.runtime.interpreter as interp
-
-    if getattr(interp, "_lily_fixed", False):
-        return
-    patch_tensor = interp._patch_lang_tensor
-
-    def patched_tensor(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    def bf16_to_f32(h):
-        if h.dtype == tl.bfloat16:
-            return interp.TensorHandle(
-                (h.data.astype(np.uint32) << 16).view(np.float32), tl.float32
-            )
-        return h
-
-    create_dot = interp.InterpreterBuilder.create_dot
-
-    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return create_dot(
-            self, bf16_to_f32(a), bf16_to_f32(b), d, input_precision, max_num_imprecise_acc
-        )
-
-    cast_impl = interp.InterpreterBuilder.cast_impl
-
-    def cast(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32)
-            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-            rounded = np.where(np.isnan(src.data), 0x7FC0, rounded).astype(np.uint16)
-            return interp.TensorHandle(rounded, tl.bfloat16)
-        return cast_impl(self, src, dst_type)
-
-    interp._patch_lang_tensor = patched_tensor
-    interp.InterpreterBuilder.create_dot = dot
-    interp.InterpreterBuilder.cast_impl = cast
-    interp._lily_fixed = True
-
-
-def ops_modules():
-    """The ops modules, their kernels built for this machine: reloaded under the interpreter
-    if something imported them before TRITON_INTERPRET was set."""
-    mods = [norm_rope, deltanet_decode, deltanet_prefill, attention_decode, attention_prefill]
-    if DEVICE == "cpu":
-        fix_triton_interpreter()
-        if not isinstance(deltanet_decode._deltanet_decode_kernel, InterpretedFunction):
-            mods = [importlib.reload(m) for m in mods]
-    return dict(
-        zip(
-            ("norm_rope", "dn_decode", "dn_prefill", "attn_decode", "attn_prefill"),
-            mods,
-            strict=True,
-        )
-    )
-
-
-OPS = ops_modules()
+OPS = {
+    "norm_rope": norm_rope,
+    "dn_decode": deltanet_decode,
+    "dn_prefill": deltanet_prefill,
+    "attn_decode": attention_decode,
+    "attn_prefill": attention_prefill,
+}
 
 
 @pytest.fixture(autouse=True)
