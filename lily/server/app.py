@@ -1,22 +1,24 @@
-"""The FastAPI app: routes, API keys, request ids, CORS and OpenAI-shaped errors.
+"""The FastAPI app: routes, CORS, OpenAI-shaped errors, start-up and graceful shutdown.
 
 ``lily serve`` (lily/cli.py) calls ``add_serve_args`` and ``run_server``. The engine loads in
 a background thread so ``/health`` answers 503 while it loads; then one worker thread runs
-requests one at a time (serving.py).
+requests one at a time (serving.py). API keys, body limits and strict JSON are checked in
+front of the app (guard.py). SIGTERM drains: the port closes, requests already accepted
+(running or queued) finish, then the process exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import json
 import logging
 import math
+import os
+import signal
 import threading
 import time
-import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,10 +27,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lily.server.grammar import GrammarCompiler
+from lily.server.guard import Gate
 from lily.server.handlers import prepare_chat, prepare_completion, run_full, run_stream
+from lily.server.limits import MemoryGuard
 from lily.server.metrics import Metrics
 from lily.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from lily.server.serving import QueueFull, Scheduler
@@ -47,6 +50,10 @@ class Settings:
     cors_origins: list[str] = field(default_factory=list)
     keepalive: float = 5.0
     log_requests: bool = False
+    max_body_bytes: int = 32 << 20
+    max_prompt_tokens: int | None = None  # None: the context window is the only limit
+    max_request_memory: int | None = None  # bytes; None: what the device or host has free
+    drain_timeout: float = 30.0
 
 
 class Context:
@@ -58,6 +65,7 @@ class Context:
         self.error = ""
         self.engine: Any = None
         self.scheduler: Scheduler | None = None
+        self.memory: MemoryGuard | None = None
         self.grammars: GrammarCompiler | None = None
         self.metrics = Metrics(settings.served_model_names[0] if settings.served_model_names
                                else "lily")  # fmt: skip
@@ -76,58 +84,28 @@ class Context:
         cfg = getattr(engine, "cfg", None)
         self.vocab_size = max(getattr(cfg, "vocab_size", 0), engine.tokenizer.vocab_size)
         self.grammars = GrammarCompiler(engine.tokenizer)
+        self.memory = MemoryGuard(engine, self.settings.max_request_memory)
         self.scheduler = Scheduler(engine, self.metrics, self.settings.queue_size)
         self.scheduler.start()
         self.status = "ready"
 
     def ready(self) -> Context:
         if self.status != "ready" or self.scheduler is None or not self.scheduler.alive:
-            msg = "the model is still loading" if self.status == "loading" else "engine is down"
+            msg = {
+                "loading": "the model is still loading",
+                "draining": "the server is shutting down",
+            }.get(self.status, "engine is down")
             raise ApiError(503, msg, type="service_unavailable", headers={"Retry-After": "5"})
         return self
+
+    def drain(self) -> None:
+        """Refuse new requests from now on (the ones accepted still finish)."""
+        if self.status in ("ready", "loading"):
+            self.status = "draining"
 
 
 def _error(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-
-class _Gate:
-    """Pure ASGI middleware (streaming-safe): echo X-Request-Id, check API keys on /v1/*."""
-
-    def __init__(self, app: ASGIApp, keys: list[str]) -> None:
-        self.app = app
-        self.keys = [k.encode() for k in keys]
-
-    def _authorized(self, header: bytes) -> bool:
-        scheme, _, token = header.partition(b" ")
-        ok = False
-        for key in self.keys:  # no early exit: the time taken does not depend on which key
-            ok |= hmac.compare_digest(token.strip(), key)
-        return ok and scheme.lower() == b"bearer"
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope.get("headers") or [])
-        rid = headers.get(b"x-request-id", b"").decode("latin-1")[:128] or uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = rid
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message.setdefault("headers", [])
-                message["headers"] = [*message["headers"], (b"x-request-id", rid.encode())]
-            await send(message)
-
-        path = scope.get("path", "")
-        if self.keys and path.startswith("/v1") and scope.get("method") != "OPTIONS":
-            if not self._authorized(headers.get(b"authorization", b"")):
-                e = ApiError(401, "Invalid or missing API key (send 'Authorization: Bearer KEY')",
-                             type="authentication_error", code="invalid_api_key",
-                             headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
-                await _error(e)(scope, receive, send_with_id)
-                return
-        await self.app(scope, receive, send_with_id)
 
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}
@@ -155,12 +133,13 @@ def create_app(
     load_engine: Callable[[], Any],
     settings: Settings,
     on_load_failure: Callable[[], None] | None = None,
+    ctx: Context | None = None,
 ) -> FastAPI:
     """The app; ``load_engine`` runs in a background thread at startup.
 
     If loading fails, /health stays 503 and ``on_load_failure`` (if given) is called.
     """
-    ctx = Context(settings)
+    ctx = ctx or Context(settings)
 
     async def lifespan(app: FastAPI):  # noqa: ANN202
         def load() -> None:
@@ -168,7 +147,12 @@ def create_app(
                 ctx.attach(load_engine())
                 log.info("model ready: %s", ", ".join(ctx.model_names))
             except Exception as e:
-                log.exception("loading the model failed")
+                if isinstance(e, ValueError | OSError):
+                    # A bad checkpoint or flag: the message names the file and tensor; a
+                    # traceback would only hide it.
+                    log.error("lily: error: cannot load the model: %s", e)
+                else:
+                    log.exception("loading the model failed")
                 ctx.status, ctx.error = "failed", f"{type(e).__name__}: {e}"
                 if on_load_failure is not None:
                     on_load_failure()
@@ -178,7 +162,9 @@ def create_app(
         if ctx.scheduler is not None:
             ctx.scheduler.stop()
 
-    app = FastAPI(title="lily", version="0.1.0", lifespan=lifespan)
+    # No /docs or /redoc: they load scripts from a CDN. /openapi.json stays (no secrets).
+    app = FastAPI(title="lily", version="0.1.0", lifespan=lifespan, docs_url=None,
+                  redoc_url=None)  # fmt: skip
     app.state.ctx = ctx
 
     @app.exception_handler(ApiError)
@@ -230,12 +216,15 @@ def create_app(
         return JSONResponse({"object": "list", "data": data})
 
     async def dispatch(prepare: Callable, req: Any, request: Request) -> Response:
+        if ctx.status == "draining":
+            ctx.metrics.add("request_rejected")
         c = ctx.ready()
         rid = request.scope["state"]["request_id"]
         p = await asyncio.to_thread(prepare, req, c, rid)
         try:
             c.scheduler.submit(p.job)
         except QueueFull:
+            c.metrics.add("request_rejected")
             raise ApiError(
                 429,
                 f"the server is busy: {c.settings.queue_size} requests are already waiting",
@@ -259,7 +248,7 @@ def create_app(
     async def completions(req: CompletionRequest, request: Request) -> Response:
         return await dispatch(prepare_completion, req, request)
 
-    app = _Gate(app, settings.api_keys)  # type: ignore[assignment]
+    app = Gate(app, settings.api_keys, settings.max_body_bytes)  # type: ignore[assignment]
     if settings.cors_origins:
         app = CORSMiddleware(  # type: ignore[assignment]
             app, allow_origins=settings.cors_origins, allow_methods=["*"],
@@ -276,10 +265,12 @@ def _retry_after(ctx: Context) -> int:
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """Server flags for ``lily serve`` (the engine flags come from the CLI)."""
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="bind address (default 127.0.0.1: this machine only)")  # fmt: skip
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", action="append", default=[],
-                   help="accept this bearer key on /v1/* (repeatable)")  # fmt: skip
+                   help=f"accept this bearer key on /v1/* (repeatable; also ${API_KEY_ENV}, "
+                   "comma-separated)")  # fmt: skip
     p.add_argument("--api-key-file", help="file with one API key per line")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use (default: the checkpoint's folder)")  # fmt: skip
@@ -294,14 +285,35 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-requests", action="store_true",
                    help="log prompts (off by default: prompts are private)")  # fmt: skip
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--max-body-bytes", type=int, default=32 << 20,
+                   help="largest request body; more gets 413 (default 32 MiB)")  # fmt: skip
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="longest prompt in tokens (default: the context window)")  # fmt: skip
+    p.add_argument("--max-request-memory-mb", type=float, default=None,
+                   help="most memory one request's KV cache and state may take; requests "
+                   "that need more get 400 (default: what the GPU or host has free)")  # fmt: skip
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds to let accepted requests finish (default 30)",
+    )
 
 
-def settings_from_args(args: argparse.Namespace) -> Settings:
-    """Settings from parsed flags; a bad value raises ValueError naming the flag."""
+API_KEY_ENV = "LILY_API_KEY"
+
+
+def settings_from_args(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> Settings:
+    """Settings from parsed flags (and $LILY_API_KEY); a bad value raises ValueError naming
+    the flag."""
+    environ = os.environ if environ is None else environ
     keys = list(args.api_key or [])
     if args.api_key_file:
         with open(args.api_key_file, encoding="utf-8") as f:
             keys += [line.strip() for line in f if line.strip()]
+    keys += [k.strip() for k in environ.get(API_KEY_ENV, "").split(",") if k.strip()]
     if any(not k.isprintable() or " " in k for k in keys):
         raise ValueError("--api-key: keys must be printable and contain no spaces")
     kwargs: dict[str, Any] = {}
@@ -316,19 +328,34 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         raise ValueError("--queue-size: must be >= 0")
     if not 0 < args.keepalive <= 3600:
         raise ValueError("--keepalive: must be in (0, 3600] seconds")
+    if args.max_body_bytes < 1024:
+        raise ValueError("--max-body-bytes: must be at least 1024")
+    if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
+        raise ValueError("--max-prompt-tokens: must be >= 1")
+    mem = args.max_request_memory_mb
+    if mem is not None and not (math.isfinite(mem) and mem > 0):
+        raise ValueError("--max-request-memory-mb: must be a positive number")
+    if not (math.isfinite(args.drain_timeout) and args.drain_timeout >= 0):
+        raise ValueError("--drain-timeout: must be >= 0 seconds")
     return Settings(
         served_model_names=list(args.served_model_name or []),
-        api_keys=keys,
+        api_keys=list(dict.fromkeys(keys)),
         queue_size=args.queue_size,
         default_template_kwargs=kwargs,
         cors_origins=list(args.cors_origins or []),
         keepalive=args.keepalive,
         log_requests=args.log_requests,
+        max_body_bytes=args.max_body_bytes,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_request_memory=None if mem is None else int(mem * (1 << 20)),
+        drain_timeout=args.drain_timeout,
     )
 
 
 def run_server(args: argparse.Namespace, load_engine: Callable[[], Any] | None = None) -> int:
-    """``lily serve``: build the app and run uvicorn until interrupted."""
+    """``lily serve``: build the app and run uvicorn until SIGTERM or Ctrl-C.
+
+    Returns 0 after a graceful shutdown, 1 when the model failed to load."""
     import uvicorn
 
     settings = settings_from_args(args)
@@ -343,6 +370,7 @@ def run_server(args: argparse.Namespace, load_engine: Callable[[], Any] | None =
         log.warning("serving on %s without an API key: anyone who can reach it may use it",
                     args.host)  # fmt: skip
     failed = threading.Event()
+    ctx = Context(settings)
     server: Any = None
 
     def stop_on_failure() -> None:
@@ -351,11 +379,25 @@ def run_server(args: argparse.Namespace, load_engine: Callable[[], Any] | None =
         if server is not None:
             server.should_exit = True
 
-    app = create_app(load_engine, settings, on_load_failure=stop_on_failure)
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            ctx.drain()  # /health turns 503 at once, so balancers stop sending
+            if not self.should_exit:
+                log.info("signal %d: draining (up to %gs) then exiting", sig,
+                         settings.drain_timeout)  # fmt: skip
+            super().handle_exit(sig, frame)
+
+    app = create_app(load_engine, settings, on_load_failure=stop_on_failure, ctx=ctx)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=5)  # fmt: skip
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=settings.drain_timeout)  # fmt: skip
+    server = _Server(config)
     if failed.is_set():
         return 1
-    server.run()
+    # NOTE: uvicorn re-raises the signal it caught once it has shut down, under the handler
+    # that was there before; a no-op one makes a drained SIGTERM exit with status 0.
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 1 if failed.is_set() else 0

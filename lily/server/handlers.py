@@ -14,9 +14,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from jinja2.exceptions import SecurityError, TemplateNotFound
+
 from lily.runtime.engine import ContextLengthError
 from lily.runtime.sampling import SamplingParams
 from lily.server.grammar import json_grammar, tool_grammar
+from lily.server.limits import check_lengths
 from lily.server.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -54,15 +58,7 @@ class Prepared:
 
 def _sampling(req: SamplingFields, ctx: Any, n_prompt: int, max_tokens: int | None) -> Any:
     engine = ctx.engine
-    try:
-        engine.check_fits(n_prompt, max_tokens)
-    except ContextLengthError as e:
-        param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
-        if max_tokens is not None and n_prompt < engine.max_context:
-            param = "max_tokens"
-        raise ApiError(400, str(e), param=param, code="context_length_exceeded") from None
-    except ValueError as e:
-        raise bad_request(str(e), "prompt") from None
+    max_tokens = check_lengths(ctx, n_prompt, max_tokens, _prompt_param(req))
     defaults = engine.generation_defaults or {}
     kw = {n: defaults[n] for n in _DEFAULTED if defaults.get(n) is not None}
     kw.update({n: getattr(req, n) for n in _DEFAULTED if getattr(req, n) is not None})
@@ -86,6 +82,10 @@ def _sampling(req: SamplingFields, ctx: Any, n_prompt: int, max_tokens: int | No
         msg = str(e)
         raise bad_request(msg, msg.split(":", 1)[0] if ":" in msg else None) from None
     return params
+
+
+def _prompt_param(req: SamplingFields) -> str:
+    return "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
 
 
 def _check_model(req: SamplingFields, ctx: Any) -> None:
@@ -120,6 +120,10 @@ def prepare_chat(req: ChatCompletionRequest, ctx: Any, request_id: str) -> Prepa
             messages, tools=tools, enable_thinking=bool(enable_thinking), **kwargs
         )
     except ChatTemplateError as e:
+        if template_at_fault(e):
+            log.error("request %s: the chat template failed: %s", request_id, e)
+            raise ApiError(500, f"the server's chat template failed: {e}", type="server_error",
+                           code="chat_template_error") from None  # fmt: skip
         raise bad_request(str(e), "messages") from None
     ids = engine.tokenizer.encode(prompt)
     max_tokens = req.max_completion_tokens or req.max_tokens
@@ -155,6 +159,16 @@ def prepare_chat(req: ChatCompletionRequest, ctx: Any, request_id: str) -> Prepa
         tools=tools if tools and choice != "none" else None,
         logprobs=bool(req.logprobs),
     )
+
+
+def template_at_fault(e: ChatTemplateError) -> bool:
+    """True when the template, not the request, failed: it tried something the sandbox
+    forbids (Python internals, loading other templates). Such a template is the server's
+    fault (it came with the checkpoint), so the request gets a 500, not a 400."""
+    cause = e.__cause__
+    if isinstance(cause, SecurityError | TemplateNotFound):
+        return True
+    return isinstance(cause, TypeError) and "no loader" in str(cause)
 
 
 def prepare_completion(req: CompletionRequest, ctx: Any, request_id: str) -> Prepared:
@@ -228,6 +242,10 @@ def _usage(usage: Any, reasoning_tokens: int) -> dict[str, Any]:
 def engine_error(e: BaseException) -> ApiError:
     if isinstance(e, ContextLengthError):
         return ApiError(400, str(e), param="messages", code="context_length_exceeded")
+    if isinstance(e, torch.OutOfMemoryError):
+        return ApiError(503, "the engine ran out of memory for this request; try a shorter "
+                        "one or later", type="server_error", code="out_of_memory",
+                        headers={"Retry-After": "5"})  # fmt: skip
     return ApiError(500, f"engine error: {type(e).__name__}: {e}", type="server_error")
 
 

@@ -2,7 +2,8 @@
 
 Existing vLLM dashboards need only a prefix rename. Written by hand (no client library):
 a few counters, two gauges and three histograms, updated from the event loop and the
-engine thread under one lock.
+engine thread under one lock. Each accepted request ends in exactly one of the success,
+failure and cancelled counters; refused ones count as rejected.
 """
 
 from __future__ import annotations
@@ -52,14 +53,16 @@ class Metrics:
             "prefix_cache_hits": 0,
             "request_success": 0,
             "request_failure": 0,
+            "request_cancelled": 0,
+            "request_rejected": 0,
         }
         self.histograms = {
             "time_to_first_token_seconds": Histogram(_LATENCY_BUCKETS),
             "inter_token_latency_seconds": Histogram(_ITL_BUCKETS),
             "e2e_request_latency_seconds": Histogram(_E2E_BUCKETS),
         }
-        self.running: Callable[[], int] = lambda: 0
-        self.waiting: Callable[[], int] = lambda: 0
+        # (running, waiting), read together so a scrape never sees a request in both
+        self.queue: Callable[[], tuple[int, int]] = lambda: (0, 0)
 
     def add(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -79,10 +82,11 @@ class Metrics:
             out.append(f"# HELP {PREFIX}{name} {text}")
             out.append(f"# TYPE {PREFIX}{name} {kind}")
 
+        running, waiting = self.queue()
         head("num_requests_running", "gauge", "Requests being computed (0 or 1).")
-        out.append(f"{PREFIX}num_requests_running{label} {_fmt(self.running())}")
+        out.append(f"{PREFIX}num_requests_running{label} {_fmt(running)}")
         head("num_requests_waiting", "gauge", "Requests waiting in the queue.")
-        out.append(f"{PREFIX}num_requests_waiting{label} {_fmt(self.waiting())}")
+        out.append(f"{PREFIX}num_requests_waiting{label} {_fmt(waiting)}")
         helps = {
             "prompt_tokens": "Prefill tokens processed (including cached).",
             "generation_tokens": "Generated tokens.",
@@ -90,6 +94,8 @@ class Metrics:
             "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
             "request_success": "Requests finished without an error.",
             "request_failure": "Requests that ended with an engine error.",
+            "request_cancelled": "Requests whose client went away before the end.",
+            "request_rejected": "Requests refused before queueing (queue full, shutting down).",
         }
         with self._lock:
             for name, value in self.counters.items():

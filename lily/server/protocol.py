@@ -153,13 +153,49 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
 
 
+MAX_STOP = 16  # stop strings per request
+MAX_STOP_CHARS = 1024  # characters per stop string
+MAX_STOP_TOKEN_IDS = 256
+
+
+def _check_content(messages: list[ChatMessage]) -> None:
+    """Only text parts: this is a text-only model, and an image must not be read as text."""
+    for i, m in enumerate(messages):
+        if not isinstance(m.content, list):
+            continue
+        for j, part in enumerate(m.content):
+            kind = part.get("type")
+            where = f"messages[{i}].content[{j}]"
+            if isinstance(kind, str) and ("image" in kind or kind in ("video_url", "video")):
+                raise bad_request(
+                    f"{where}: image and video inputs are not supported: this server runs a "
+                    "text-only model; send text parts only",
+                    "messages",
+                    code="unsupported_content",
+                )
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(
+                    f"{where}: only parts of type 'text' with a string 'text' are supported, "
+                    f"got type {str(kind)[:40]!r}",
+                    "messages",
+                    code="unsupported_content",
+                )
+
+
 def check_request(req: SamplingFields) -> None:
     """Checks pydantic's field types cannot express; each error names its param."""
     if req.n not in (None, 1):
         raise bad_request("n: only n=1 is supported", "n")
-    if isinstance(req.stop, list) and len(req.stop) > 16:
-        raise bad_request("stop: at most 16 stop strings", "stop")
+    stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    if len(stops) > MAX_STOP:
+        raise bad_request(f"stop: at most {MAX_STOP} stop strings", "stop")
+    if any(len(x) > MAX_STOP_CHARS for x in stops):
+        raise bad_request(f"stop: a stop string may have at most {MAX_STOP_CHARS} characters",
+                          "stop")  # fmt: skip
+    if len(req.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
+        raise bad_request(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")
     if isinstance(req, ChatCompletionRequest):
+        _check_content(req.messages)
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs: needs logprobs set to true", "top_logprobs")
         if req.tool_choice is not None and not req.tools:

@@ -41,6 +41,9 @@ class Job:
     loop: asyncio.AbstractEventLoop | None = None
     arrived: float = field(default_factory=time.monotonic)
     started: float | None = None
+    # NOTE: set once, under the scheduler's lock: each job is counted in exactly one of
+    # the success, failure and cancelled counters.
+    outcome: str | None = None
 
     def post(self, kind: str, value: Any = None) -> None:
         """Hand an event to the request's coroutine (from any thread)."""
@@ -63,8 +66,7 @@ class Scheduler:
         self._running: Job | None = None
         self._stop = False
         self._thread = threading.Thread(target=self._work, name="lily-engine", daemon=True)
-        metrics.running = lambda: int(self._running is not None)
-        metrics.waiting = lambda: len(self._waiting)
+        metrics.queue = self._queue_state
 
     # ---- event-loop side
     def start(self) -> None:
@@ -83,6 +85,10 @@ class Scheduler:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def _queue_state(self) -> tuple[int, int]:
+        with self._cond:
+            return int(self._running is not None), len(self._waiting)
+
     @property
     def n_waiting(self) -> int:
         return len(self._waiting)
@@ -98,13 +104,22 @@ class Scheduler:
             self._cond.notify()
 
     def cancel(self, job: Job) -> None:
-        """Cancel ``job``: drop it from the queue, or stop it at the next decode step."""
+        """Cancel ``job``: drop it from the queue, or stop it at the next decode step.
+
+        A no-op for a finished job (handlers call it on every exit path)."""
         job.cancel.set()
         with self._cond:
             try:
                 self._waiting.remove(job)
             except ValueError:
-                pass
+                return
+            self._finish(job, "cancelled")
+
+    def _finish(self, job: Job, outcome: str) -> None:
+        # NOTE: called with the lock held.
+        if job.outcome is None:
+            job.outcome = outcome
+            self.metrics.add("request_" + outcome)
 
     # ---- worker thread
     def _work(self) -> None:
@@ -117,22 +132,25 @@ class Scheduler:
                 job = self._waiting.popleft()
                 self._running = job
             final: tuple[str, Any] | None = None
+            outcome = "cancelled"
             try:
                 if not job.cancel.is_set():
-                    final = self._run(job)
+                    final, outcome = self._run(job)
             finally:
                 with self._cond:
                     self._running = None
+                    self._finish(job, outcome)
             # NOTE: posted after clearing `_running`, so a client that sees its answer
             # also sees the engine idle in /metrics.
             if final is not None:
                 job.post(*final)
 
-    def _run(self, job: Job) -> tuple[str, Any]:
-        """Stream the job's steps; return its final event (done or error)."""
+    def _run(self, job: Job) -> tuple[tuple[str, Any], str]:
+        """Stream the job's steps; return its final event (done or error) and its outcome."""
         engine, m = self.engine, self.metrics
         job.started = time.monotonic()
         first = last = None
+        reason = None
         try:
             # The server never needs autograd; inference mode also lets the engine update
             # its cached tensors in place (they were made in inference mode).
@@ -152,16 +170,23 @@ class Scheduler:
                         else:
                             m.observe("inter_token_latency_seconds", now - last)
                         last = now
+                    reason = step.finish_reason or reason
                     job.post("step", step)
         except Exception as e:  # an engine fault fails this request only
-            log.exception("request %s: engine error", job.request_id)
-            m.add("request_failure")
-            return "error", e
+            if isinstance(e, torch.OutOfMemoryError):
+                # The failed request's tensors are garbage now; give their memory back.
+                torch.cuda.empty_cache()
+            # NOTE: no traceback text with locals or prompts reaches the log, only the type
+            # and message (prompts stay out of logs unless --log-requests).
+            log.error("request %s: engine error: %s: %s", job.request_id, type(e).__name__,
+                      str(e)[:500], exc_info=log.isEnabledFor(logging.DEBUG))  # fmt: skip
+            return ("error", e), "failure"
         usage = engine.last_usage
         m.add("prompt_tokens", usage.prompt_tokens)
         m.add("generation_tokens", usage.completion_tokens)
         m.add("prefix_cache_queries", usage.prompt_tokens)
         m.add("prefix_cache_hits", usage.cached_tokens)
-        m.add("request_success")
+        if reason == "cancelled":
+            return ("done", usage), "cancelled"
         m.observe("e2e_request_latency_seconds", time.monotonic() - job.arrived)
-        return "done", usage
+        return ("done", usage), "success"

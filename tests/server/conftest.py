@@ -27,11 +27,13 @@ def free_port() -> int:
 class Server:
     """A server subprocess; ``url`` once it answers."""
 
-    def __init__(self, argv: list[str], log: Path) -> None:
+    def __init__(self, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # One torch thread: the tiny model gains nothing from more, and on a busy CI host
+        # spinning worker threads slow every step several-fold.
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
         self._out = open(log, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, *argv, "--port", str(self.port)],
@@ -58,6 +60,18 @@ class Server:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def rss(self) -> int:
+        """Resident memory of the server process in bytes (from /proc)."""
+        with open(f"/proc/{self.proc.pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmRSS in /proc/PID/status")
+
+    def log_text(self) -> str:
+        self._out.flush()
+        return self.log.read_text(errors="replace")
 
     def stop(self) -> None:
         self.proc.terminate()

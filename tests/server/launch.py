@@ -1,32 +1,39 @@
 """Run ``lily serve`` with test hooks around the real engine.
 
-    python tests/server/launch.py [--step-delay S] [--fault-seed N] [--load-delay S] serve ...
+    python tests/server/launch.py [--step-delay S] [--prefill-delay S] [--fault-seed N]
+                                  [--load-delay S] [--prefix-cache-mb MB] serve ...
 
 ``--step-delay`` sleeps after every engine step (so cancellation and queueing can be
-observed on a fast tiny model); a request with ``seed == --fault-seed`` makes the engine
-raise after two steps; ``--load-delay`` holds the model load so /health is seen loading.
+observed on a fast tiny model); ``--prefill-delay`` sleeps before the first step, like a
+long prefill (which, as in the engine, does not look at cancellation); a request with
+``seed == --fault-seed`` makes the engine raise after two steps; ``--load-delay`` holds the
+model load so /health is seen loading; ``--prefix-cache-mb`` bounds the engine's prefix
+cache (the CLI has no flag for it), so memory can be measured under load.
 """
 
 import argparse
+import dataclasses
 import sys
 import time
 
-from lily.cli import build_parser, load_engine
+from lily.cli import build_parser, engine_config, load_engine
 from lily.server.app import run_server
 
 
 class HookedEngine:
     """The real engine, slowed down per step and faulting on demand."""
 
-    def __init__(self, engine, delay: float, fault_seed: int | None) -> None:
+    def __init__(self, engine, delay: float, prefill_delay: float, fault_seed: int | None):
         self._engine = engine
         self._delay = delay
+        self._prefill_delay = prefill_delay
         self._fault_seed = fault_seed
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
     def generate(self, prompt_ids, params, cancelled=lambda: False, logits_processor=None):
+        time.sleep(self._prefill_delay)
         for i, step in enumerate(
             self._engine.generate(prompt_ids, params, cancelled, logits_processor)
         ):
@@ -39,14 +46,24 @@ class HookedEngine:
 def main() -> None:
     hooks = argparse.ArgumentParser(add_help=False)
     hooks.add_argument("--step-delay", type=float, default=0.0)
+    hooks.add_argument("--prefill-delay", type=float, default=0.0)
     hooks.add_argument("--fault-seed", type=int, default=None)
     hooks.add_argument("--load-delay", type=float, default=0.0)
+    hooks.add_argument("--prefix-cache-mb", type=float, default=None)
     h, rest = hooks.parse_known_args()
     args = build_parser().parse_args(rest)
 
     def load():
         time.sleep(h.load_delay)
-        return HookedEngine(load_engine(args), h.step_delay, h.fault_seed)
+        if h.prefix_cache_mb is None:
+            engine = load_engine(args)
+        else:
+            from lily.runtime.engine import Engine
+
+            gb = h.prefix_cache_mb / 1024
+            ecfg = dataclasses.replace(engine_config(args), prefix_cache_gb=gb)
+            engine = Engine.load(args.model, ecfg, progress=False)
+        return HookedEngine(engine, h.step_delay, h.prefill_delay, h.fault_seed)
 
     sys.exit(run_server(args, load_engine=load))
 

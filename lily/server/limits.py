@@ -1,0 +1,201 @@
+"""Request limits: prompt length, context window, and memory for the KV cache and state.
+
+A request whose KV cache and state would not fit in memory is refused before it runs.
+
+A request that runs out of device memory halfway wastes the work done and, on a CPU host,
+invites the kernel's OOM killer, which takes the whole server down. So each request's
+memory is estimated from the model config before it is queued: K/V caches grow by doubling
+(lily/runtime/state.py), the DeltaNet states are fixed, and a prefill chunk needs
+activations. It is compared with what is free: on a GPU, free device memory plus what
+PyTorch holds in reserve plus the working state (reused by the next request), less the
+prefix cache's unused budget (it may fill while the request runs) and a margin; on a CPU,
+MemAvailable from /proc/meminfo likewise. ``--max-request-memory-mb`` caps it further (the
+only limit where neither reading works). The estimate is deliberately simple; a fault that
+still runs out of memory is caught as an engine error (serving.py), not a crash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lily.runtime.engine import ContextLengthError
+from lily.server.protocol import ApiError, bad_request
+
+MiB = 1 << 20
+_SAFETY = 256 * MiB  # allocator fragmentation, CUDA graphs, sampler and grammar buffers
+_SCORE_ELEMS = 1 << 26  # the reference attention's score block (lily/model/attention.py)
+_FIRST_CAPACITY = 256  # SessionState.new's initial KV capacity
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes one request needs, by part."""
+
+    kv: int
+    recurrent: int
+    workspace: int
+
+    @property
+    def total(self) -> int:
+        return self.kv + self.recurrent + self.workspace
+
+
+def kv_capacity(n_prompt: int, n_total: int, chunk: int, limit: int) -> int:
+    """The K/V capacity a fresh state reaches for ``n_total`` tokens (as KVCache.ensure)."""
+    cap = min(_FIRST_CAPACITY, limit)
+    ends = [*range(min(chunk, n_prompt), n_prompt, chunk), n_prompt]
+    for end in ends:
+        if end > cap:
+            cap = min(max(end, 2 * cap), limit)
+    while cap < n_total:  # decode: one token at a time, so plain doubling
+        cap = min(2 * cap, limit)
+    return cap
+
+
+def estimate(cfg: Any, dtype: torch.dtype, n_prompt: int, n_total: int, chunk: int,
+             limit: int, kernels: bool) -> Estimate:  # fmt: skip
+    """What a request of ``n_prompt`` prompt tokens growing to ``n_total`` needs."""
+    es = torch.empty((), dtype=dtype).element_size()
+    cap = kv_capacity(n_prompt, n_total, chunk, limit)
+    per_pos = 2 * cfg.num_key_value_heads * cfg.head_dim * es  # K and V, one layer
+    n_attn = len(cfg.attn_layers)
+    # NOTE: growing one layer's cache briefly holds the old and the new buffer.
+    kv = per_pos * cap * n_attn + per_pos * (cap // 2)
+    conv = (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * es
+    rec = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    recurrent = (conv + rec) * len(cfg.linear_layers)
+    t = min(chunk, n_prompt)
+    widths = (
+        4 * cfg.hidden_size  # residual, normed input, mixer and MoE outputs
+        + 2 * cfg.conv_dim  # DeltaNet projections before and after the conv
+        + 2 * cfg.num_attention_heads * cfg.head_dim  # gated queries
+        + 3 * cfg.num_experts_per_tok * cfg.moe_intermediate_size  # routed gate/up/act
+        + cfg.vocab_size  # logits of the last token (fp32 below, bounded by one row)
+    )
+    workspace = t * widths * 4
+    if not kernels:  # the reference attention materializes a bounded fp32 score block
+        workspace += 2 * min(_SCORE_ELEMS, cfg.num_attention_heads * t * n_total) * 4
+    return Estimate(kv=kv, recurrent=recurrent, workspace=workspace)
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _device_free(device: str) -> int | None:
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return None
+    dev = torch.device(device)
+    free, _ = torch.cuda.mem_get_info(dev)
+    return free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+
+
+class MemoryGuard:
+    """Answers how many tokens a request may grow to; ``limit_bytes`` None reads the host."""
+
+    def __init__(self, engine: Any, limit_bytes: int | None = None,
+                 free_reader: Callable[[], int | None] | None = None) -> None:  # fmt: skip
+        self.engine = engine
+        self.limit = limit_bytes
+        ecfg = engine.engine_cfg
+        self.device = str(ecfg.device)
+        self._free = free_reader or (
+            (lambda: _device_free(self.device))
+            if self.device.startswith("cuda")
+            else _meminfo_available
+        )
+
+    def available(self) -> int | None:
+        """Bytes a new request may use, or None when there is no way to know."""
+        free = self._free()
+        if free is not None:
+            e = self.engine
+            reusable = _nbytes(lambda: e.state.nbytes())
+            cache = e.prefix_cache
+            headroom = max(0, cache.budget - _nbytes(cache.nbytes))
+            free = max(0, free + reusable - headroom - _SAFETY)
+        if self.limit is not None:
+            free = self.limit if free is None else min(free, self.limit)
+        return free
+
+    def need(self, n_prompt: int, n_total: int) -> Estimate:
+        e = self.engine
+        return estimate(e.cfg, e.dtype, n_prompt, n_total, e.engine_cfg.prefill_chunk,
+                        e.max_context, bool(e.engine_cfg.use_kernels))  # fmt: skip
+
+    def fit(self, n_prompt: int, n_total: int) -> tuple[int, Estimate, int | None]:
+        """The largest total length <= ``n_total`` that fits (``n_prompt`` when even one
+        generated token does not), its estimate, and the bytes available."""
+        avail = self.available()
+        est = self.need(n_prompt, n_total)
+        if avail is None or est.total <= avail:
+            return n_total, est, avail
+        lo, hi = n_prompt, n_total  # need() grows with the total: bisect the largest fit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.need(n_prompt, mid).total <= avail:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo, self.need(n_prompt, max(lo, n_prompt + 1)), avail
+
+
+def _nbytes(fn: Callable[[], int]) -> int:
+    # Read while the engine thread may be changing the state: an estimate is enough.
+    try:
+        return int(fn())
+    except Exception:  # noqa: BLE001 - a racing dict change; treat as nothing reusable
+        return 0
+
+
+def check_lengths(ctx: Any, n_prompt: int, max_tokens: int | None, prompt_param: str) -> int | None:
+    """The prompt-length, context and memory limits, as 400s naming ``prompt_param`` or
+    max_tokens; returns the max_tokens to run with (None: the rest of the context)."""
+    engine = ctx.engine
+    cap = ctx.settings.max_prompt_tokens
+    if cap and n_prompt > cap:
+        raise ApiError(
+            400,
+            f"This server's maximum prompt length is {cap} tokens. However, your prompt has "
+            f"{n_prompt} tokens. Please reduce the length of the {prompt_param}.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    try:
+        max_new = engine.check_fits(n_prompt, max_tokens)
+    except ContextLengthError as e:
+        param = prompt_param
+        if max_tokens is not None and n_prompt < engine.max_context:
+            param = "max_tokens"
+        raise ApiError(400, str(e), param=param, code="context_length_exceeded") from None
+    except ValueError as e:
+        raise bad_request(str(e), "prompt") from None
+    if ctx.memory is None:
+        return max_tokens
+    total, est, avail = ctx.memory.fit(n_prompt, n_prompt + max_new)
+    if total == n_prompt + max_new:
+        return max_tokens
+    if max_tokens is None and total > n_prompt:
+        # "The rest of the context" is as much of it as memory holds.
+        return total - n_prompt
+    mib = 1 << 20
+    raise ApiError(
+        400,
+        f"This request needs about {est.total / mib:.1f} MiB of memory for its KV cache and "
+        f"state ({n_prompt} prompt tokens + {max_new} to generate), but only "
+        f"{(avail or 0) / mib:.1f} MiB is available to one request. Please reduce the "
+        f"length of the {prompt_param if total <= n_prompt else 'completion (max_tokens)'}.",
+        param=prompt_param if total <= n_prompt else "max_tokens",
+        code="insufficient_memory",
+    )
