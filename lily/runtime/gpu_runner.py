@@ -8,6 +8,8 @@ so attention's grid fits the context and long contexts take the split-KV kernel.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 
@@ -60,6 +62,38 @@ def moe(p: dict, pre: str, h: torch.Tensor, x: torch.Tensor, cfg: ModelConfig) -
     return moe_prefill(h, *args, top_k=cfg.num_experts_per_tok, residual=x)
 
 
+def fuse_rows(ws: list[Weight]) -> Weight | None:
+    """One weight whose output rows are those of ``ws`` in order (None if they differ in kind)."""
+    if all(isinstance(w, QuantWeight) for w in ws):
+        if len({(w.bits, w.group_size, w.scales.dtype) for w in ws}) != 1:
+            return None
+        return QuantWeight(
+            torch.cat([w.qweight for w in ws]),
+            torch.cat([w.scales for w in ws]),
+            torch.cat([w.biases for w in ws]),
+            ws[0].bits,
+            ws[0].group_size,
+        )
+    if all(isinstance(w, torch.Tensor) for w in ws):
+        return torch.cat(ws)
+    return None
+
+
+def _row_view(w: Weight, a: int, b: int) -> Weight:
+    return (
+        w[a:b]
+        if isinstance(w, torch.Tensor)
+        else QuantWeight(w.qweight[a:b], w.scales[a:b], w.biases[a:b], w.bits, w.group_size)
+    )
+
+
+# The projections that read the same normed input: one GEMV each in decode.
+FUSED = {
+    "linear_attention": ("dn.", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")),
+    "full_attention": ("attn.", ("q_proj", "k_proj", "v_proj")),
+}
+
+
 class GpuRunner(Runner):
     """Kernel forward over the model's parameters and the engine's session state."""
 
@@ -79,6 +113,79 @@ class GpuRunner(Runner):
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.tok = torch.zeros(1, dtype=torch.long, device=self.dev)
         self.pos = torch.zeros(1, dtype=torch.int32, device=self.dev)
+        # Kernels that take the RMSNorm weight fuse the norm into their prologue.
+        self.norm_in_gemv = "norm_weight" in inspect.signature(qgemv).parameters
+        self.fused = self._fuse_projections()
+
+    def _fuse_projections(self) -> dict[int, tuple[Weight, list[int]]]:
+        """Concatenate each layer's input projections once; the parameters become views."""
+        fused = {}
+        for i, kind in enumerate(self.cfg.layer_types):
+            sub, names = FUSED[kind]
+            keys = [f"layers.{i}.{sub}{n}" for n in names]
+            w = fuse_rows([self.p[k] for k in keys])
+            if w is None:
+                continue
+            sizes = [self.p[k].shape[-2] for k in keys]
+            start = 0
+            for k, n in zip(keys, sizes, strict=True):
+                self.p[k] = _row_view(w, start, start + n)  # frees the separate copies
+                start += n
+            fused[i] = (w, sizes)
+        return fused
+
+    def _project(self, i: int, x: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                 names: tuple[str, ...], sub: str) -> list[torch.Tensor]:  # fmt: skip
+        """The layer's input projections of rmsnorm(x) for one token: (N,) each."""
+        if i in self.fused and self.norm_in_gemv:
+            w, sizes = self.fused[i]
+            return list(qgemv(x, w, norm_weight=norm_w, eps=eps).split(sizes))
+        h = rms_norm(x, norm_w, eps)
+        if i in self.fused:
+            w, sizes = self.fused[i]
+            return list(linear(h, w).split(sizes))
+        return [linear(h, self.p[f"layers.{i}.{sub}{n}"]) for n in names]
+
+    def _decode_forward(self, ids: torch.Tensor, state, pos: torch.Tensor, max_len: int
+                        ) -> torch.Tensor:  # fmt: skip
+        """One token: fused norms and projections, mixer kernel, fused MoE (graph-safe)."""
+        cfg, p = self.cfg, self.p
+        eps = cfg.rms_norm_eps
+        x = embedding(ids, p["embed_tokens"], self.model.dtype)[0]
+        for i, kind in enumerate(cfg.layer_types):
+            pre = f"layers.{i}."
+            sub, names = FUSED[kind]
+            parts = self._project(i, x, p[pre + "input_norm"], eps, names, sub)
+            if kind == "linear_attention":
+                d, st = pre + "dn.", state.deltanet[i]
+                o = deltanet_decode(*parts, p[d + "conv1d"], st.conv, p[d + "A_log"],
+                                    p[d + "dt_bias"], p[d + "norm"], st.recurrent, eps,
+                                    workspace=self.ws)  # fmt: skip
+                x = linear(o, p[d + "out_proj"], residual=x)
+            else:
+                at, kv = pre + "attn.", state.kv[i]
+                o = attention_decode(*parts, p[at + "q_norm"], p[at + "k_norm"], kv.k, kv.v,
+                                     pos, self.inv_freq, eps, max_len=max_len)  # fmt: skip
+                x = linear(o, p[at + "o_proj"], residual=x)
+            x = self._moe_decode(pre, x)
+        if self.norm_in_gemv:
+            return qgemv(x, p["lm_head"], norm_weight=p["norm"], eps=eps, out_dtype=torch.float32)
+        return linear(rms_norm(x, p["norm"], eps), p["lm_head"], out_dtype=torch.float32)
+
+    def _moe_decode(self, pre: str, x: torch.Tensor) -> torch.Tensor:
+        from lily.ops.moe_decode import moe_decode
+
+        p, cfg = self.p, self.cfg
+        m = pre + "moe."
+        args = [p[m + n] for n in ("router", "gate_proj", "up_proj", "down_proj",
+                                   "shared_gate_proj", "shared_up_proj", "shared_down_proj",
+                                   "shared_expert_gate")]  # fmt: skip
+        norm_w = p[pre + "post_norm"]
+        if "norm_weight" in inspect.signature(moe_decode).parameters:
+            return moe_decode(x, *args, top_k=cfg.num_experts_per_tok, residual=x,
+                              norm_weight=norm_w, eps=cfg.rms_norm_eps)  # fmt: skip
+        h = rms_norm(x, norm_w, cfg.rms_norm_eps)
+        return moe_decode(h, *args, top_k=cfg.num_experts_per_tok, residual=x)
 
     # ---- one forward over T tokens (T = 1 is the decode step)
     def _forward(self, ids: torch.Tensor, state, start: int | torch.Tensor, max_len: int
@@ -147,7 +254,7 @@ class GpuRunner(Runner):
             if not self.use_graphs:
                 self.pos.fill_(start)
                 t = torch.tensor([token_id], dtype=torch.long, device=self.dev)
-                out = self._forward(t, state, self.pos, self._bucket(start, state))
+                out = self._decode_forward(t, state, self.pos, self._bucket(start, state))
             else:
                 graph, static_out = self._graph(state, start)
                 self.tok.fill_(token_id)
@@ -186,11 +293,11 @@ class GpuRunner(Runner):
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):
-                self._forward(self.tok, state, self.pos, bucket)
+                self._decode_forward(self.tok, state, self.pos, bucket)
             torch.cuda.current_stream().wait_stream(s)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                out = self._forward(self.tok, state, self.pos, bucket)
+                out = self._decode_forward(self.tok, state, self.pos, bucket)
             state.restore(snap, state.length)
             self.graphs[key] = (graph, out)
         return self.graphs[key]
