@@ -20,6 +20,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-mtp", action="store_true", help="also load the mtp.* weights")
     p.add_argument("--kernels", choices=["auto", "on", "off"], default="auto",
                    help="Triton GPU paths (auto: on when a GPU is used)")  # fmt: skip
+    p.add_argument("--prefix-cache-gb", type=float, default=1.0,
+                   help="device memory for earlier turns' saved states (0: no reuse)")  # fmt: skip
+    p.add_argument("--prefix-cache-host-gb", type=float, default=0.0,
+                   help="host memory they spill to when the device budget is full")  # fmt: skip
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -56,6 +60,8 @@ def engine_config(args: argparse.Namespace):
         load_mtp=args.load_mtp,
         quantize_on_load=args.quantize,
         use_kernels=kernels,
+        prefix_cache_gb=getattr(args, "prefix_cache_gb", 1.0),
+        prefix_cache_host_gb=getattr(args, "prefix_cache_host_gb", 0.0),
     )
 
 

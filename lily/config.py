@@ -257,5 +257,5 @@ class EngineConfig:
     load_mtp: bool = False
     quantize_on_load: bool = False  # bf16 HF checkpoints: pack to MLX 4-bit at load
     use_kernels: bool = False  # Triton paths (GPU); the reference path otherwise
-    prefix_cache_gb: float = 4.0  # saved session states on the device (0 disables reuse)
+    prefix_cache_gb: float = 1.0  # saved session states on the device (0 disables reuse)
     prefix_cache_host_gb: float = 0.0  # where they spill to when the device budget is full

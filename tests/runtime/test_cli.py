@@ -53,3 +53,27 @@ def test_bad_input_is_a_clear_error_not_a_traceback(tmp_path):
                        capture_output=True, text=True)  # fmt: skip
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and "config.json" in r.stderr
+
+
+def test_chat_multi_turn_reuses_the_conversation(hf_tiny_dir):
+    import io
+
+    from lily.config import EngineConfig
+    from lily.runtime.chat import chat_loop
+    from lily.runtime.engine import Engine
+    from lily.runtime.sampling import SamplingParams
+
+    engine = Engine.load(hf_tiny_dir, EngineConfig(max_context=2048), progress=False)
+    out = io.StringIO()
+    inp = io.StringIO("hello there\nand a second question\n/exit\n")
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    assert chat_loop(engine, params, inp=inp, out=out) == 0
+    lines = [ln for ln in out.getvalue().splitlines() if ln.startswith("[")]
+    assert len(lines) == 2, out.getvalue()
+    assert "reused 0]" in lines[0]
+    reused = int(lines[1].rsplit("reused ", 1)[1].rstrip("]"))
+    # The second turn resumes at least where the first reply's header began (the template
+    # drops the reply's reasoning, so the old tokens match only up to there).
+    first = engine.encode_chat([{"role": "user", "content": "hello there"}])
+    header = max(i for i, t in enumerate(first) if t == engine.tokenizer.im_start_id)
+    assert header > 0 and reused >= header
