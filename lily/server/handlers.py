@@ -226,7 +226,7 @@ async def events(job: Job, keepalive: float | None) -> AsyncIterator[tuple[str, 
             kind, value = getter.result()
             getter = None
             yield kind, value
-            if kind in ("done", "error"):
+            if kind in ("done", "error", "cancelled"):
                 return
     finally:
         if getter is not None and not getter.done():
@@ -249,6 +249,12 @@ def engine_error(e: BaseException) -> ApiError:
     return ApiError(500, f"engine error: {type(e).__name__}: {e}", type="server_error")
 
 
+def _cancelled() -> ApiError:
+    # Seen only by a client still there: the server dropped its queued request on shutdown.
+    msg = "the request was cancelled: the server is shutting down"
+    return ApiError(503, msg, type="server_error", code="cancelled", headers={"Retry-After": "5"})
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -269,6 +275,9 @@ async def run_stream(p: Prepared, ctx: Any, model: str) -> AsyncIterator[str]:
         async for kind, value in events(job, ctx.keepalive):
             if kind == "keepalive":
                 yield ": keep-alive\n\n"
+            elif kind == "cancelled":
+                yield _sse(_cancelled().body())
+                break
             elif kind == "error":
                 yield _sse(engine_error(value).body())
                 break
@@ -332,6 +341,8 @@ async def run_full(p: Prepared, ctx: Any, model: str, receive: Callable) -> dict
         async for kind, value in events(job, None):
             if kind == "error":
                 raise engine_error(value)
+            if kind == "cancelled":
+                raise _cancelled()
             if kind == "step":
                 reason = value.finish_reason
                 if p.kind == "chat":

@@ -35,13 +35,14 @@ _FIRST_CAPACITY = 256  # SessionState.new's initial KV capacity
 class Estimate:
     """Bytes one request needs, by part."""
 
-    kv: int
-    recurrent: int
-    workspace: int
+    kv: int  # K/V caches at their final capacity
+    kv_growth: int  # the old buffer held while one layer's cache doubles
+    recurrent: int  # DeltaNet conv and recurrent states
+    workspace: int  # activations of one prefill chunk
 
     @property
     def total(self) -> int:
-        return self.kv + self.recurrent + self.workspace
+        return self.kv + self.kv_growth + self.recurrent + self.workspace
 
 
 def kv_capacity(n_prompt: int, n_total: int, chunk: int, limit: int) -> int:
@@ -63,8 +64,9 @@ def estimate(cfg: Any, dtype: torch.dtype, n_prompt: int, n_total: int, chunk: i
     cap = kv_capacity(n_prompt, n_total, chunk, limit)
     per_pos = 2 * cfg.num_key_value_heads * cfg.head_dim * es  # K and V, one layer
     n_attn = len(cfg.attn_layers)
+    kv = per_pos * cap * n_attn
     # NOTE: growing one layer's cache briefly holds the old and the new buffer.
-    kv = per_pos * cap * n_attn + per_pos * (cap // 2)
+    growth = per_pos * (cap // 2)
     conv = (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * es
     rec = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
     recurrent = (conv + rec) * len(cfg.linear_layers)
@@ -74,12 +76,11 @@ def estimate(cfg: Any, dtype: torch.dtype, n_prompt: int, n_total: int, chunk: i
         + 2 * cfg.conv_dim  # DeltaNet projections before and after the conv
         + 2 * cfg.num_attention_heads * cfg.head_dim  # gated queries
         + 3 * cfg.num_experts_per_tok * cfg.moe_intermediate_size  # routed gate/up/act
-        + cfg.vocab_size  # logits of the last token (fp32 below, bounded by one row)
     )
-    workspace = t * widths * 4
+    workspace = t * widths * 4 + 2 * cfg.vocab_size * 4  # and the last token's fp32 logits
     if not kernels:  # the reference attention materializes a bounded fp32 score block
         workspace += 2 * min(_SCORE_ELEMS, cfg.num_attention_heads * t * n_total) * 4
-    return Estimate(kv=kv, recurrent=recurrent, workspace=workspace)
+    return Estimate(kv=kv, kv_growth=growth, recurrent=recurrent, workspace=workspace)
 
 
 def _meminfo_available() -> int | None:

@@ -75,8 +75,8 @@ class Scheduler:
     def stop(self) -> None:
         with self._cond:
             self._stop = True
-            for job in self._waiting:
-                job.cancel.set()
+            while self._waiting:
+                self._drop(self._waiting.popleft())
             if self._running is not None:
                 self._running.cancel.set()
             self._cond.notify_all()
@@ -113,13 +113,21 @@ class Scheduler:
                 self._waiting.remove(job)
             except ValueError:
                 return
-            self._finish(job, "cancelled")
+            self._drop(job)
 
     def _finish(self, job: Job, outcome: str) -> None:
         # NOTE: called with the lock held.
         if job.outcome is None:
             job.outcome = outcome
             self.metrics.add("request_" + outcome)
+
+    def _drop(self, job: Job) -> None:
+        """End a job that never ran. NOTE: called with the lock held."""
+        job.cancel.set()
+        self._finish(job, "cancelled")
+        # Its coroutine may still be waiting for events (a non-streaming request whose
+        # client left): without a final event it would wait forever, a leaked task.
+        job.post("cancelled")
 
     # ---- worker thread
     def _work(self) -> None:
@@ -131,7 +139,7 @@ class Scheduler:
                     return
                 job = self._waiting.popleft()
                 self._running = job
-            final: tuple[str, Any] | None = None
+            final: tuple[str, Any] = ("cancelled", None)
             outcome = "cancelled"
             try:
                 if not job.cancel.is_set():
@@ -142,8 +150,7 @@ class Scheduler:
                     self._finish(job, outcome)
             # NOTE: posted after clearing `_running`, so a client that sees its answer
             # also sees the engine idle in /metrics.
-            if final is not None:
-                job.post(*final)
+            job.post(*final)
 
     def _run(self, job: Job) -> tuple[tuple[str, Any], str]:
         """Stream the job's steps; return its final event (done or error) and its outcome."""
