@@ -33,8 +33,13 @@ from lily.server.guard import Gate
 from lily.server.handlers import prepare_chat, prepare_completion, run_full, run_stream
 from lily.server.limits import MemoryGuard
 from lily.server.metrics import Metrics
-from lily.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
-from lily.server.serving import QueueFull, Scheduler
+from lily.server.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    validation_message,
+)
+from lily.server.serving import QueueFull, Scheduler, log_error
 
 log = logging.getLogger("lily.server")
 
@@ -108,27 +113,6 @@ def _error(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errs = exc.errors()
-    if not errs:
-        return "invalid request", None
-    e = errs[0]
-    if e.get("type") == "json_invalid":
-        return f"the request body is not valid JSON: {e.get('msg', '')}", None
-    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-    # Union members add their type names to the location; keep the field path.
-    path = []
-    for x in loc:
-        if x.isdigit() or x.isidentifier() and not x[:1].isupper() and x not in _TYPE_NAMES:
-            path.append(x)
-    param = ".".join(path) or None
-    msg = e.get("msg", "invalid value")
-    return (f"{param}: {msg}" if param else msg), param
-
-
 def create_app(
     load_engine: Callable[[], Any],
     settings: Settings,
@@ -173,7 +157,7 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        msg, param = _validation_message(exc)
+        msg, param = validation_message(exc.errors())
         return _error(ApiError(400, msg, param=param))
 
     @app.exception_handler(StarletteHTTPException)
@@ -185,7 +169,8 @@ def create_app(
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
+        rid = request.scope.get("state", {}).get("request_id", "?")
+        log_error(f"request {rid}: unhandled error", exc, ctx.log_requests)
         return _error(ApiError(500, f"internal error: {type(exc).__name__}", type="server_error"))
 
     @app.get("/health")

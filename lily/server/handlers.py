@@ -33,7 +33,7 @@ from lily.server.protocol import (
 )
 from lily.server.reasoning import prompt_opens_thinking
 from lily.server.responses import ChatOutput, ChunkMaker, LogprobFormatter, chat_delta_json
-from lily.server.serving import Job
+from lily.server.serving import Job, events, log_error
 from lily.tokenizer import ChatTemplateError
 
 log = logging.getLogger("lily.server")
@@ -210,29 +210,6 @@ def prepare_completion(req: CompletionRequest, ctx: Any, request_id: str) -> Pre
     )
 
 
-async def events(job: Job, keepalive: float | None) -> AsyncIterator[tuple[str, Any]]:
-    """The job's events; ("keepalive", None) when nothing came for ``keepalive`` seconds."""
-    # NOTE: one pending get() is kept across timeouts; cancelling it on every timeout (as
-    # asyncio.wait_for does) could drop an event that arrives at that very moment.
-    getter: asyncio.Future | None = None
-    try:
-        while True:
-            if getter is None:
-                getter = asyncio.ensure_future(job.out.get())
-            done, _ = await asyncio.wait({getter}, timeout=keepalive)
-            if not done:
-                yield "keepalive", None
-                continue
-            kind, value = getter.result()
-            getter = None
-            yield kind, value
-            if kind in ("done", "error", "cancelled"):
-                return
-    finally:
-        if getter is not None and not getter.done():
-            getter.cancel()
-
-
 def _usage(usage: Any, reasoning_tokens: int) -> dict[str, Any]:
     return usage_dict(
         usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens, reasoning_tokens
@@ -260,7 +237,22 @@ def _sse(obj: Any) -> str:
 
 
 async def run_stream(p: Prepared, ctx: Any, model: str) -> AsyncIterator[str]:
-    """SSE body: role first, deltas, a finish chunk, usage if asked, then [DONE]."""
+    """SSE body: role first, deltas, a finish chunk, usage if asked, then [DONE].
+
+    A bug past the headers still ends the stream cleanly: an error event, then [DONE]."""
+    try:
+        async for piece in _stream_body(p, ctx, model):
+            yield piece
+    except Exception as e:
+        log_error(f"request {p.job.request_id}: streaming failed", e, ctx.log_requests)
+        err = ApiError(500, f"internal error: {type(e).__name__}", type="server_error")
+        yield _sse(err.body())
+        yield "data: [DONE]\n\n"
+    finally:
+        ctx.scheduler.cancel(p.job)
+
+
+async def _stream_body(p: Prepared, ctx: Any, model: str) -> AsyncIterator[str]:
     maker = ChunkMaker(p.kind, model, p.include_usage)
     job = p.job
     eos = set(ctx.engine.tokenizer.eos_token_ids)

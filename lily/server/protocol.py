@@ -222,3 +222,24 @@ def usage_dict(prompt: int, completion: int, cached: int, reasoning: int) -> dic
         "prompt_tokens_details": {"cached_tokens": cached},
         "completion_tokens_details": {"reasoning_tokens": reasoning},
     }
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def validation_message(errs: Any) -> tuple[str, str | None]:
+    """A 400's message and param from pydantic's errors: the first one, its field path."""
+    if not errs:
+        return "invalid request", None
+    e = errs[0]
+    if e.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {e.get('msg', '')}", None
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    # Union members add their type names to the location; keep the field path.
+    path = []
+    for x in loc:
+        if x.isdigit() or x.isidentifier() and not x[:1].isupper() and x not in _TYPE_NAMES:
+            path.append(x)
+    param = ".".join(path) or None
+    msg = e.get("msg", "invalid value")
+    return (f"{param}: {msg}" if param else msg), param

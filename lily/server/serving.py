@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +24,18 @@ import torch
 from lily.server.metrics import Metrics
 
 log = logging.getLogger("lily.server")
+
+
+def log_error(what: str, exc: BaseException, detail: bool) -> None:
+    """Log a fault. With ``detail`` (--log-requests) the whole traceback; without, the
+    exception's type and where it was raised but not its message, which may quote the
+    request: prompts stay out of the logs unless asked for."""
+    if detail:
+        log.error(what, exc_info=exc)
+        return
+    frames = traceback.extract_tb(exc.__traceback__)[-6:]
+    where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in frames[::-1])
+    log.error("%s: %s at %s", what, type(exc).__name__, where or "?")
 
 
 class QueueFull(Exception):
@@ -197,3 +211,26 @@ class Scheduler:
             return ("done", usage), "cancelled"
         m.observe("e2e_request_latency_seconds", time.monotonic() - job.arrived)
         return ("done", usage), "success"
+
+
+async def events(job: Job, keepalive: float | None) -> AsyncIterator[tuple[str, Any]]:
+    """The job's events; ("keepalive", None) when nothing came for ``keepalive`` seconds."""
+    # NOTE: one pending get() is kept across timeouts; cancelling it on every timeout (as
+    # asyncio.wait_for does) could drop an event that arrives at that very moment.
+    getter: asyncio.Future | None = None
+    try:
+        while True:
+            if getter is None:
+                getter = asyncio.ensure_future(job.out.get())
+            done, _ = await asyncio.wait({getter}, timeout=keepalive)
+            if not done:
+                yield "keepalive", None
+                continue
+            kind, value = getter.result()
+            getter = None
+            yield kind, value
+            if kind in ("done", "error", "cancelled"):
+                return
+    finally:
+        if getter is not None and not getter.done():
+            getter.cancel()

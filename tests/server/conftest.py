@@ -139,3 +139,36 @@ def http(server):
         base_url=server.url, headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=120
     ) as c:
         yield c
+
+
+ENV_KEYS = ("env-key-1", "env-key-2")
+FILE_KEY = "file-key-1"
+GUARD_BODY_LIMIT = 65536
+GUARD_PROMPT_LIMIT = 200
+GUARD_FAULT_SEED = 666
+
+
+@pytest.fixture(scope="session")
+def guarded_server(model_dir, tmp_path_factory):
+    """Tight limits, keys from $LILY_API_KEY and a key file, no CORS, no --log-requests;
+    an engine fault on seed 666 (tests/server/launch.py)."""
+    tmp = tmp_path_factory.mktemp("guarded")
+    (tmp / "keys").write_text(FILE_KEY + "\n")
+    argv = [str(ROOT / "tests/server/launch.py"), "--fault-seed", str(GUARD_FAULT_SEED),
+            "serve", "--model", str(model_dir), "--max-context", str(MAX_CONTEXT),
+            "--max-body-bytes", str(GUARD_BODY_LIMIT),
+            "--max-prompt-tokens", str(GUARD_PROMPT_LIMIT),
+            "--api-key-file", str(tmp / "keys")]  # fmt: skip
+    s = Server(argv, tmp / "guarded.log", env={"LILY_API_KEY": ",".join(ENV_KEYS)})
+    try:
+        s.health_history()
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture
+def guarded(guarded_server):
+    with httpx.Client(base_url=guarded_server.url, timeout=60,
+                      headers={"Authorization": f"Bearer {ENV_KEYS[0]}"}) as c:  # fmt: skip
+        yield c

@@ -15,7 +15,7 @@ def parse(*argv: str) -> argparse.Namespace:
 
 def test_defaults_bind_loopback_without_cors():
     a = parse()
-    s = settings_from_args(a)
+    s = settings_from_args(a, environ={})
     assert a.host == "127.0.0.1" and s.cors_origins == [] and s.api_keys == []
     assert not s.log_requests
 
@@ -23,8 +23,28 @@ def test_defaults_bind_loopback_without_cors():
 def test_keys_from_flags_and_file(tmp_path):
     f = tmp_path / "keys"
     f.write_text("k3\n\n  k4  \n")
-    s = settings_from_args(parse("--api-key", "k1", "--api-key", "k2", "--api-key-file", str(f)))
+    a = parse("--api-key", "k1", "--api-key", "k2", "--api-key-file", str(f))
+    s = settings_from_args(a, environ={})
     assert s.api_keys == ["k1", "k2", "k3", "k4"]
+
+
+def test_keys_from_the_environment_add_to_the_flags():
+    s = settings_from_args(parse("--api-key", "k1"), environ={"LILY_API_KEY": " e1, e2 ,,k1"})
+    assert s.api_keys == ["k1", "e1", "e2"]
+    assert settings_from_args(parse(), environ={"LILY_API_KEY": ""}).api_keys == []
+    with pytest.raises(ValueError, match="--api-key"):
+        settings_from_args(parse(), environ={"LILY_API_KEY": "has space"})
+
+
+def test_limit_flags():
+    flags = ["--max-body-bytes", "4096", "--max-prompt-tokens", "100",
+             "--max-request-memory-mb", "1.5", "--drain-timeout", "7"]  # fmt: skip
+    s = settings_from_args(parse(*flags))
+    assert (s.max_body_bytes, s.max_prompt_tokens) == (4096, 100)
+    assert s.max_request_memory == 3 << 19 and s.drain_timeout == 7
+    d = settings_from_args(parse(), environ={})
+    assert d.max_body_bytes == 32 << 20 and d.max_prompt_tokens is None
+    assert d.max_request_memory is None
 
 
 @pytest.mark.parametrize(
@@ -35,6 +55,11 @@ def test_keys_from_flags_and_file(tmp_path):
         (["--queue-size", "-1"], "--queue-size"),
         (["--keepalive", "0"], "--keepalive"),
         (["--api-key", "has space"], "--api-key"),
+        (["--max-body-bytes", "100"], "--max-body-bytes"),
+        (["--max-prompt-tokens", "0"], "--max-prompt-tokens"),
+        (["--max-request-memory-mb", "-1"], "--max-request-memory-mb"),
+        (["--max-request-memory-mb", "inf"], "--max-request-memory-mb"),
+        (["--drain-timeout", "-1"], "--drain-timeout"),
     ],
 )
 def test_bad_flags_name_the_flag(argv, flag):
