@@ -1,16 +1,25 @@
-"""MoE block for one decode token, on the GPU from router to residual, with no host sync.
+"""MoE block for one decode token, on the GPU from (norm and) router to residual, no host sync.
 
-Four launches, all shapes fixed (CUDA-graph capturable):
+Three launches, all shapes fixed (CUDA-graph capturable); every program issues all of its
+weight loads at once (whole K per program), before any reduction:
 
-1. router GEMV (qgemv kernel, fp32 logits);
-2. ``_moe_route_kernel`` (one program): softmax over E in fp32, top-k, renormalise, and the
-   shared expert's gate ``sigmoid(shared_expert_gate . x)``; writes k+1 (expert, weight)
-   slots, the shared expert riding along as slot k (expert id E);
-3. ``_moe_gate_up_kernel``, grid (slots, I blocks): both projections of the slot's expert
-   and ``silu(gate) * up`` fused; h (slots, I) fp32 never leaves L2;
-4. ``_moe_down_kernel``, grid (D blocks,): each program owns its output rows across all
-   slots, so the weighted sum and the residual add happen in registers (no atomics) and the
-   result is written once.
+1. ``_moe_router_kernel``: the router logits (E rows, fp32), the shared expert's gate logit
+   (row E of the logits) and the shared expert's gate/up with ``silu(gate) * up`` (h row k):
+   the shared expert does not depend on the routing, so it rides in the router's launch;
+2. ``_moe_gate_up_kernel``, grid (k slots x I blocks): every program reads the E logits and
+   takes the top-k itself (a few microseconds of arithmetic, no ticket or extra launch),
+   then both projections of its slot's expert, ``silu(gate) * up`` into h (k+1, I) fp32
+   (stays in L2); program 0 also writes the k (expert, weight) pairs for launch 3;
+3. ``_moe_down_kernel``, grid (D blocks,): a program owns its output rows across all slots,
+   loading the k experts' tiles as one (k, rows, words) block; routing weights, the shared
+   gate ``sigmoid(logit)`` and the residual are applied in registers, the row written once.
+
+With ``norm_weight`` every program of launches 1 and 2 computes ``rmsnorm(x) * norm_weight``
+itself (x is 2048 values), so the layer's post-attention norm costs no launch.
+
+Routing is NaN-proof: top-k runs on 64-bit integer keys (order-preserving bits of the logit,
+then the index), so a NaN or infinite logit still yields k distinct experts in range and a
+NaN output for that token, never an out-of-range expert id (an address).
 """
 
 from __future__ import annotations
@@ -22,14 +31,21 @@ import triton
 import triton.language as tl
 
 from lily.ops.qgemv import (
-    GemvConfig,
-    _launch_qgemv,
+    _as_f,
     cast_to,
+    cdiv,
+    check_norm,
     check_weight,
     check_x,
     gemv_block,
-    gemv_config,
+    gemv_tile,
+    load_words,
+    load_x,
     mask_lo,
+    norm_meta,
+    norm_x,
+    pow2,
+    row_rstd,
 )
 from lily.quant import QuantWeight
 
@@ -37,120 +53,274 @@ Tensor = torch.Tensor
 
 
 @triton.jit
-def _moe_route_kernel(
-    p_logits, p_x, p_sgw, p_sgs, p_sgb, p_ids, p_wts, E, D, mask_lo_sg,
-    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, HAS_SHARED: tl.constexpr,
-    SG_BITS: tl.constexpr, SG_GROUP: tl.constexpr, SG_BLOCK_G: tl.constexpr,
-    SG_STEPS: tl.constexpr,
-):  # fmt: skip
+def _flip(u):
+    # fp32 bits <-> an int32 of the same order (negative floats: magnitude bits reversed).
+    return u ^ ((u >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def topk_rows(b_l, E, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Top-k of each row of fp32 logits (R, BLOCK_E), columns >= E ignored.
+
+    Returns (ids (R, BLOCK_K) int32, weights (R, BLOCK_K) fp32): the k largest in descending
+    order (ties: lowest index first) and their renormalised softmax weights
+    ``exp(l_j - l_max) / sum_top-k exp(l_i - l_max)`` (the full softmax's denominator
+    cancels in the renormalisation). Entries k..BLOCK_K-1 are 0.
+    NOTE: one 64-bit max per pick: key = (order-preserving logit bits + 2^31) << 16 | (BLOCK_E
+    - 1 - index) is >= 0 for every real logit, NaN included; taken and padding columns are
+    negative, so every pick is a real, distinct column < E whatever the values.
+    """
+    R: tl.constexpr = b_l.shape[0]
+    BLOCK_E: tl.constexpr = b_l.shape[1]
     o_e = tl.arange(0, BLOCK_E)
-    m_e = o_e < E
-    b_l = tl.load(p_logits + o_e, mask=m_e, other=float("-inf")).to(tl.float32)
-    b_p = tl.exp(b_l - tl.max(b_l, axis=0))
-    b_p = b_p / tl.sum(b_p, axis=0)
-    # Top-k by repeated argmax (ties: lowest index), then renormalise the k weights.
     o_k = tl.arange(0, BLOCK_K)
-    ids = tl.zeros((BLOCK_K,), tl.int32)
-    wts = tl.zeros((BLOCK_K,), tl.float32)
+    # NOTE: -2**31 is an int32 literal (2**31 would be typed uint32).
+    u = _flip(b_l.to(tl.int32, bitcast=True)).to(tl.int64) - (-2147483648)
+    key = (u << 16) | (o_e ^ (BLOCK_E - 1)).to(tl.int64)[None, :]  # BLOCK_E - 1 - o_e
+    key = tl.where((o_e < E)[None, :], key, -2)
+    ids = tl.zeros((R, BLOCK_K), tl.int32)
+    vals = tl.zeros((R, BLOCK_K), tl.float32)
     for i in tl.static_range(TOP_K):
-        b_max = tl.max(b_p, axis=0)
-        i_max = tl.min(tl.where(b_p == b_max, o_e, BLOCK_E), axis=0)
-        ids = tl.where(o_k == i, i_max, ids)
-        wts = tl.where(o_k == i, b_max, wts)
-        b_p = tl.where(o_e == i_max, -1.0, b_p)
-    wts = wts / tl.sum(wts, axis=0)
-    tl.store(p_ids + o_k, ids, mask=o_k < TOP_K)
-    tl.store(p_wts + o_k, wts, mask=o_k < TOP_K)
-    if HAS_SHARED:
-        o_n = tl.arange(0, 2)
-        b_g = gemv_block(
-            p_x, 0, 1, p_sgw, p_sgs, p_sgb, 0, 0, o_n, o_n < 1, 0, D // SG_GROUP, mask_lo_sg,
-            SG_BITS, SG_GROUP, SG_BLOCK_G, SG_STEPS, 1,
+        m = tl.max(key, axis=1)
+        idx = ((m & 0xFFFF) ^ (BLOCK_E - 1)).to(tl.int32)
+        val = _flip(((m >> 16) + (-2147483648)).to(tl.int32)).to(tl.float32, bitcast=True)
+        ids = tl.where(o_k[None, :] == i, idx[:, None], ids)
+        vals = tl.where(o_k[None, :] == i, val[:, None], vals)
+        key = tl.where(o_e[None, :] == idx[:, None], -1, key)
+        if i == 0:
+            top = val
+    b_p = tl.where((o_k < TOP_K)[None, :], tl.exp(vals - top[:, None]), 0.0)
+    return ids, b_p / tl.sum(b_p, axis=1)[:, None]
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _gate_up(
+    p_x, p_nw, eps, D, gw, gs, gb, uw, us, ub, sqn, ssn, o_n, m_n, mask_lo,
+    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HAS_NORM: tl.constexpr,
+    NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr, ON_CPU: tl.constexpr,
+):  # fmt: skip
+    """``silu(x' @ gate[o_n].T) * (x' @ up[o_n].T)`` fp32 (BN,), whole K in one step: both
+    weight tiles and x are loaded before the norm statistics, x' is prepared once."""
+    n_groups = D // GROUP
+    b_gw, b_gs, b_gb = load_words(gw, gs, gb, sqn, ssn, o_n, m_n, 0, n_groups, BITS, GROUP,
+                                  BLOCK_G)  # fmt: skip
+    b_uw, b_us, b_ub = load_words(uw, us, ub, sqn, ssn, o_n, m_n, 0, n_groups, BITS, GROUP,
+                                  BLOCK_G)  # fmt: skip
+    b_x, b_nw = load_x(p_x, p_nw, 0, n_groups, True, HAS_NORM, BITS, GROUP, BLOCK_G)
+    rstd = 1.0
+    if HAS_NORM:
+        rstd = tl.sum(row_rstd(p_x, 0, 1, D, eps, 1, NORM_BLOCK, NORM_STEPS), axis=0)
+    b_xn = norm_x(b_x, b_nw, rstd, HAS_NORM, ON_CPU)
+    b_g = gemv_tile(b_gw, b_gs, b_gb, b_xn, mask_lo, BITS, BLOCK_G)
+    b_u = gemv_tile(b_uw, b_us, b_ub, b_xn, mask_lo, BITS, BLOCK_G)
+    return b_g * _sigmoid(b_g) * b_u
+
+
+@triton.jit
+def _moe_router_kernel(
+    p_x, p_nw, p_logits, p_h,
+    p_rw, p_rs, p_rb, stride_rqn, stride_rsn,
+    p_cw, p_cs, p_cb,
+    p_sgw, p_sgs, p_sgb, p_suw, p_sus, p_sub, stride_sqn, stride_ssn,
+    E, D, I_S, stride_h, mask_lo_r, mask_lo_c, mask_lo, eps,
+    TOP_K: tl.constexpr, R_PROGS: tl.constexpr, R_BN: tl.constexpr, R_BITS: tl.constexpr,
+    R_GROUP: tl.constexpr, R_BG: tl.constexpr, C_BITS: tl.constexpr, C_GROUP: tl.constexpr,
+    C_BG: tl.constexpr, S_BN: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+    S_BG: tl.constexpr, HAS_NORM: tl.constexpr, NORM_BLOCK: tl.constexpr,
+    NORM_STEPS: tl.constexpr, ON_CPU: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    if pid < R_PROGS:
+        # Router rows -> logits[0:E] (fp32).
+        o_n = pid * R_BN + tl.arange(0, R_BN)
+        acc = gemv_block(
+            p_x, 0, 1, D, p_nw, eps, p_rw, p_rs, p_rb, stride_rqn, stride_rsn, o_n, o_n < E,
+            0, D // R_GROUP, mask_lo_r, R_BITS, R_GROUP, R_BG, 1, 1, HAS_NORM, NORM_BLOCK,
+            NORM_STEPS, ON_CPU,
         )  # fmt: skip
-        b_g = tl.sum(tl.sum(b_g, axis=1), axis=0)  # only row 0 is live
-        tl.store(p_ids + TOP_K, E)
-        tl.store(p_wts + TOP_K, 1.0 / (1.0 + tl.exp(-b_g)))
+        tl.store(p_logits + o_n[None, :], acc, mask=(o_n < E)[None, :])
+    elif pid == R_PROGS:
+        # The shared expert's gate (one row) -> logits[E].
+        o_n = tl.arange(0, 2)
+        acc = gemv_block(
+            p_x, 0, 1, D, p_nw, eps, p_cw, p_cs, p_cb, 0, 0, o_n, o_n < 1, 0, D // C_GROUP,
+            mask_lo_c, C_BITS, C_GROUP, C_BG, 1, 1, HAS_NORM, NORM_BLOCK, NORM_STEPS, ON_CPU,
+        )  # fmt: skip
+        tl.store(p_logits + E + o_n[None, :], acc, mask=(o_n < 1)[None, :])
+    else:
+        # Shared expert gate/up rows -> h[TOP_K].
+        o_n = (pid - R_PROGS - 1) * S_BN + tl.arange(0, S_BN)
+        m_n = o_n < I_S
+        b_h = _gate_up(
+            p_x, p_nw, eps, D, p_sgw, p_sgs, p_sgb, p_suw, p_sus, p_sub, stride_sqn,
+            stride_ssn, o_n, m_n, mask_lo, BITS, GROUP, S_BG, HAS_NORM, NORM_BLOCK,
+            NORM_STEPS, ON_CPU,
+        )  # fmt: skip
+        tl.store(p_h + TOP_K * stride_h + o_n, b_h, mask=m_n)
 
 
 @triton.jit
 def _moe_gate_up_kernel(
-    p_x, p_ids, p_h,
+    p_x, p_nw, p_logits, p_ids, p_wts, p_h,
     p_gw, p_gs, p_gb, p_uw, p_us, p_ub, stride_we, stride_se, stride_qn, stride_sn,
-    p_sgw, p_sgs, p_sgb, p_suw, p_sus, p_sub, stride_sqn, stride_ssn,
-    I_E, I_S, D, stride_h, mask_lo,
-    TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_G: tl.constexpr, STEPS: tl.constexpr,
+    E, D, I_E, stride_h, mask_lo, eps,
+    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BITS: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr,
+    HAS_NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr,
+    ON_CPU: tl.constexpr,
 ):  # fmt: skip
-    slot = tl.program_id(0)
-    i_n = tl.program_id(1)
-    e = tl.load(p_ids + slot)
-    is_shared = slot == TOP_K
-    n_rows = tl.where(is_shared, I_S, I_E)
-    sqn = tl.where(is_shared, stride_sqn, stride_qn)
-    ssn = tl.where(is_shared, stride_ssn, stride_sn)
+    pid = tl.program_id(0)
+    slot = pid // N_BLOCKS
+    i_n = pid % N_BLOCKS
+    o_e = tl.arange(0, BLOCK_E)
+    o_k = tl.arange(0, BLOCK_K)
+    b_l = tl.load(p_logits + o_e, mask=o_e < E, other=0.0)
+    ids, wts = topk_rows(b_l[None, :], E, TOP_K, BLOCK_K)
+    if pid == 0:
+        tl.store(p_ids + o_k[None, :], ids, mask=(o_k < TOP_K)[None, :])
+        tl.store(p_wts + o_k[None, :], wts, mask=(o_k < TOP_K)[None, :])
+    e64 = tl.sum(tl.sum(tl.where(o_k[None, :] == slot, ids, 0), axis=1), axis=0).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < n_rows
-    if i_n * BLOCK_N < n_rows:  # the shared expert may be wider than the routed ones
-        # The slot's weights: expert e of the stacks, or the shared expert in the last slot.
-        if is_shared:
-            gw, gs, gb, uw, us, ub = p_sgw, p_sgs, p_sgb, p_suw, p_sus, p_sub
-        else:
-            e64 = e.to(tl.int64)
-            gw = p_gw + e64 * stride_we
-            gs = p_gs + e64 * stride_se
-            gb = p_gb + e64 * stride_se
-            uw = p_uw + e64 * stride_we
-            us = p_us + e64 * stride_se
-            ub = p_ub + e64 * stride_se
-        n_groups = D // GROUP
-        b_g = gemv_block(p_x, 0, 1, gw, gs, gb, sqn, ssn, o_n, m_n, 0, n_groups, mask_lo,
-                         BITS, GROUP, BLOCK_G, STEPS, 1)  # fmt: skip
-        b_u = gemv_block(p_x, 0, 1, uw, us, ub, sqn, ssn, o_n, m_n, 0, n_groups, mask_lo,
-                         BITS, GROUP, BLOCK_G, STEPS, 1)  # fmt: skip
-        b_h = b_g / (1.0 + tl.exp(-b_g)) * b_u
-        tl.store(p_h + slot * stride_h + o_n[None, :], b_h, mask=m_n[None, :])
+    m_n = o_n < I_E
+    b_h = _gate_up(
+        p_x, p_nw, eps, D, p_gw + e64 * stride_we, p_gs + e64 * stride_se,
+        p_gb + e64 * stride_se, p_uw + e64 * stride_we, p_us + e64 * stride_se,
+        p_ub + e64 * stride_se, stride_qn, stride_sn, o_n, m_n, mask_lo, BITS, GROUP, BLOCK_G,
+        HAS_NORM, NORM_BLOCK, NORM_STEPS, ON_CPU,
+    )  # fmt: skip
+    tl.store(p_h + slot * stride_h + o_n, b_h, mask=m_n)
+
+
+@triton.jit
+def _gemv_tile3(b_w, b_s, b_b, b_x, mask_lo, BITS: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Per slot: fp32 (S, BN) = x[s] @ w[s].T for words (S, BN, BW), fp32 scales and biases
+    (S, BN, BG) and x (S, BW, PER) fp32 (qgemv's gemv_tile with a slot axis in front)."""
+    S: tl.constexpr = b_w.shape[0]
+    BN: tl.constexpr = b_w.shape[1]
+    BW: tl.constexpr = b_w.shape[2]
+    PER: tl.constexpr = b_x.shape[2]
+    o_j = tl.arange(0, PER)
+    if BITS == 4:
+        b_scale = tl.where(o_j % 2 == 1, 256.0, 16.0)
+    else:
+        b_scale = tl.full((PER,), 256.0, tl.float32)
+    b_xp = b_x * b_scale[None, None, :]
+    b_xs = tl.sum(tl.reshape(tl.sum(b_x, axis=2), (S, BLOCK_G, BW // BLOCK_G)), axis=2)
+    b_xps = tl.sum(tl.reshape(tl.sum(b_xp, axis=2), (S, BLOCK_G, BW // BLOCK_G)), axis=2)
+    if BITS == 4:
+        mask_hi = mask_lo << 4
+        x_even, x_odd = tl.split(tl.reshape(b_xp, (S, BW, 2, 2, 2)))
+        x04, x26 = tl.split(x_even)
+        x15, x37 = tl.split(x_odd)
+        x0, x4 = tl.split(x04)
+        x2, x6 = tl.split(x26)
+        x1, x5 = tl.split(x15)
+        x3, x7 = tl.split(x37)
+        w11 = b_w << 11
+        w3 = b_w << 3
+        r5 = b_w >> 5
+        b_d = _as_f(b_w << 19, mask_hi) * x0[:, None, :]
+        b_d += _as_f(w11, mask_lo) * x1[:, None, :]
+        b_d += _as_f(w11, mask_hi) * x2[:, None, :]
+        b_d += _as_f(w3, mask_lo) * x3[:, None, :]
+        b_d += _as_f(w3, mask_hi) * x4[:, None, :]
+        b_d += _as_f(r5, mask_lo) * x5[:, None, :]
+        b_d += _as_f(r5, mask_hi) * x6[:, None, :]
+        b_d += _as_f(b_w >> 13, mask_lo) * x7[:, None, :]
+    else:
+        x_even, x_odd = tl.split(tl.reshape(b_xp, (S, BW, 2, 2)))
+        x0, x2 = tl.split(x_even)
+        x1, x3 = tl.split(x_odd)
+        b_d = _as_f(b_w << 15, mask_lo) * x0[:, None, :]
+        b_d += _as_f(b_w << 7, mask_lo) * x1[:, None, :]
+        b_d += _as_f(b_w >> 1, mask_lo) * x2[:, None, :]
+        b_d += _as_f(b_w >> 9, mask_lo) * x3[:, None, :]
+    b_d = tl.sum(tl.reshape(b_d, (S, BN, BLOCK_G, BW // BLOCK_G)), axis=3)
+    return tl.sum(b_s * (b_d - b_xps[:, None, :]) + b_b * b_xs[:, None, :], axis=2)
 
 
 @triton.jit
 def _moe_down_kernel(
-    p_h, p_ids, p_wts, p_res, p_out,
+    p_h, p_ids, p_wts, p_logits, p_res, p_out,
     p_dw, p_ds, p_db, stride_we, stride_se, stride_qn, stride_sn,
     p_sdw, p_sds, p_sdb, stride_sqn, stride_ssn,
-    D, I_E, I_S, stride_h, mask_lo,
-    TOP_K: tl.constexpr, N_SLOTS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, STEPS: tl.constexpr,
-    STEPS_S: tl.constexpr, HAS_RES: tl.constexpr, ON_CPU: tl.constexpr,
+    E, D, I_E, I_S, stride_h, mask_lo,
+    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr, S_BG: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SHARED: tl.constexpr, HAS_RES: tl.constexpr, ON_CPU: tl.constexpr,
 ):  # fmt: skip
+    PER: tl.constexpr = 32 // BITS
+    WPG: tl.constexpr = GROUP // PER
+    BW: tl.constexpr = BLOCK_G * WPG
     i_n = tl.program_id(0)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < D
-    acc = tl.zeros((1, BLOCK_N), tl.float32)
-    for slot in tl.static_range(N_SLOTS):
-        e = tl.load(p_ids + slot)
-        w_r = tl.load(p_wts + slot)
-        if slot == TOP_K:
-            c = gemv_block(p_h + slot * stride_h, 0, 1, p_sdw, p_sds, p_sdb, stride_sqn,
-                           stride_ssn, o_n, m_n, 0, I_S // GROUP, mask_lo, BITS, GROUP,
-                           BLOCK_G, STEPS_S, 1)  # fmt: skip
-        else:
-            e64 = e.to(tl.int64)
-            c = gemv_block(p_h + slot * stride_h, 0, 1, p_dw + e64 * stride_we,
-                           p_ds + e64 * stride_se, p_db + e64 * stride_se, stride_qn, stride_sn,
-                           o_n, m_n, 0, I_E // GROUP, mask_lo, BITS, GROUP, BLOCK_G, STEPS,
-                           1)  # fmt: skip
-        acc += w_r * c
+    o_k = tl.arange(0, BLOCK_K)
+    m_k = o_k < TOP_K
+    e64 = tl.load(p_ids + o_k, mask=m_k, other=0).to(tl.int64)
+    b_r = tl.load(p_wts + o_k, mask=m_k, other=0.0)
+    # The k experts' (rows, I) tiles as one block, so every load is in flight at once.
+    n_groups = I_E // GROUP
+    o_w = tl.arange(0, BW)
+    o_g = tl.arange(0, BLOCK_G)
+    m_kn = m_k[:, None, None] & m_n[None, :, None]
+    p_w = p_dw + e64[:, None, None] * stride_we + o_n[None, :, None] * stride_qn
+    b_w = tl.load(p_w + o_w[None, None, :], mask=m_kn & (o_w < n_groups * WPG)[None, None, :],
+                  other=0)  # fmt: skip
+    p_sb = e64[:, None, None] * stride_se + o_n[None, :, None] * stride_sn + o_g[None, None, :]
+    m_sb = m_kn & (o_g < n_groups)[None, None, :]
+    b_s = tl.load(p_ds + p_sb, mask=m_sb, other=0.0).to(tl.float32)
+    b_b = tl.load(p_db + p_sb, mask=m_sb, other=0.0).to(tl.float32)
+    if HAS_SHARED:
+        b_sw, b_ss, b_sb = load_words(p_sdw, p_sds, p_sdb, stride_sqn, stride_ssn, o_n, m_n, 0,
+                                      I_S // GROUP, BITS, GROUP, S_BG)  # fmt: skip
+        b_hs, _ = load_x(p_h + TOP_K * stride_h, p_h, 0, I_S // GROUP, True, False, BITS, GROUP,
+                         S_BG)  # fmt: skip
+        b_c = tl.load(p_logits + E)
+    o_x = tl.arange(0, BW)[:, None] * PER + tl.arange(0, PER)[None, :]
+    m_x = m_k[:, None, None] & (o_x < I_E)[None, :, :]
+    b_h = tl.load(p_h + o_k[:, None, None] * stride_h + o_x[None, :, :], mask=m_x, other=0.0)
     if HAS_RES:
-        acc += tl.load(p_res + o_n[None, :], mask=m_n[None, :], other=0.0).to(tl.float32)
-    b_o = cast_to(acc, p_out.dtype.element_ty, ON_CPU)
-    tl.store(p_out + o_n[None, :], b_o, mask=m_n[None, :])
+        b_res = tl.load(p_res + o_n, mask=m_n, other=0.0).to(tl.float32)
+
+    acc = tl.sum(_gemv_tile3(b_w, b_s, b_b, b_h, mask_lo, BITS, BLOCK_G) * b_r[:, None], axis=0)
+    if HAS_SHARED:
+        acc += gemv_tile(b_sw, b_ss, b_sb, b_hs, mask_lo, BITS, S_BG) * _sigmoid(b_c)
+    if HAS_RES:
+        acc += b_res
+    tl.store(p_out + o_n, cast_to(acc, p_out.dtype.element_ty, ON_CPU), mask=m_n)
 
 
 @dataclass(frozen=True)
 class MoeDecodeConfig:
-    """Rows per program of the gate/up and down kernels, and their warps."""
+    """Rows per program of each launch and warps per program (whole K per program).
 
-    gate_up: GemvConfig = GemvConfig(16, 32, 1, 4)
-    down: GemvConfig = GemvConfig(8, 8, 1, 4)
+    router_rows: router rows (E / router_rows programs, plus one for the shared gate);
+    shared_rows: shared-expert gate/up rows (I_s / shared_rows programs, same launch);
+    gate_up_rows: routed gate/up rows (k * I / gate_up_rows programs);
+    down_rows: output rows of the down launch (D / down_rows programs).
+    """
+
+    router_rows: int = 4
+    shared_rows: int = 8
+    gate_up_rows: int = 8
+    down_rows: int = 8
+    num_warps: int = 4
+    down_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("router_rows", "shared_rows", "gate_up_rows", "down_rows", "num_warps",
+                     "down_warps"):  # fmt: skip
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"MoeDecodeConfig.{name} must be a power of two, got {v}")
+        if self.router_rows < 2:
+            raise ValueError("MoeDecodeConfig.router_rows must be >= 2")
 
 
 def _check_moe_weights(
@@ -201,8 +371,9 @@ def _check_shared(
     return i_s
 
 
-def _steps(k: int, group_size: int, block_g: int) -> int:
-    return triton.cdiv(k // group_size, block_g)
+def _whole(k: int, group_size: int) -> int:
+    """BLOCK_G covering all of K in one step."""
+    return pow2(k // group_size)
 
 
 def moe_decode(
@@ -218,12 +389,17 @@ def moe_decode(
     top_k: int,
     residual: Tensor | None = None,
     *,
+    norm_weight: Tensor | None = None,
+    eps: float = 1e-6,
     config: MoeDecodeConfig | None = None,
 ) -> Tensor:
-    """``residual + moe(x)`` for one token x (D,) -> (D,) in x's dtype.
+    """``residual + moe(x')`` for one token x (D,) -> (D,) in x's dtype, three launches.
 
-    router (E, D); gate, up (E, I, D); down (E, D, I); the shared expert (Is, D), (Is, D),
-    (D, Is) and its gate (1, D), all QuantWeight (or all four shared parts None).
+    ``x' = rmsnorm(x) * norm_weight`` (fp32 statistics, rounded to x's dtype like the
+    unfused norm) when ``norm_weight`` (D,) is given, else x; ``residual`` is added as given
+    (pass the un-normed x for a decoder layer). router (E, D); gate, up (E, I, D); down
+    (E, D, I); the shared expert (Is, D), (Is, D), (D, Is) and its gate (1, D), all
+    QuantWeight (or all four shared parts None).
     """
     name = "moe_decode"
     e, i, d = _check_moe_weights(gate, up, down, name)
@@ -238,59 +414,70 @@ def moe_decode(
         raise ValueError(f"{name}: top_k {top_k} must be in 1..{e}")
     if residual is not None and (tuple(residual.shape) != (d,) or residual.device != x.device):
         raise ValueError(f"{name}: residual must be ({d},) on {x.device}")
+    if norm_weight is not None:
+        norm_weight = check_norm(norm_weight, d, name, x.device)
     x = x.contiguous()
+    residual = residual.contiguous() if residual is not None else None
     cfg = config or MoeDecodeConfig()
     dev = x.device
+    on_cpu = dev.type == "cpu"
     has_shared = i_s > 0
-    n_slots = top_k + int(has_shared)
+    has_norm = norm_weight is not None
+    nw = norm_weight if has_norm else x
+    norm_block, norm_steps = norm_meta(d)
+    gs = gate.group_size
+    block_k = pow2(top_k)
 
-    logits = torch.empty((1, e), dtype=torch.float32, device=dev)
-    _launch_qgemv(
-        x.reshape(1, d), router, None, logits, gemv_config(e, d, 1, router.bits, router.group_size)
-    )
-    ids = torch.empty(n_slots, dtype=torch.int32, device=dev)
-    wts = torch.empty(n_slots, dtype=torch.float32, device=dev)
+    # 1. router logits, the shared gate's logit (slot E), the shared expert's h (row k).
+    logits = torch.empty(e + 1, dtype=torch.float32, device=dev)
+    h = torch.empty((top_k + 1, max(i, i_s)), dtype=torch.float32, device=dev)
+    r_progs = cdiv(e, cfg.router_rows)
     seg = shared_expert_gate if has_shared else router
-    sg_block_g = min(8, triton.next_power_of_2(d // seg.group_size))
-    _moe_route_kernel[(1,)](
-        logits, x, seg.qweight, seg.scales, seg.biases, ids, wts, e, d, mask_lo(seg.bits),
-        TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(e),
-        HAS_SHARED=has_shared,
-        SG_BITS=seg.bits, SG_GROUP=seg.group_size, SG_BLOCK_G=sg_block_g,
-        SG_STEPS=_steps(d, seg.group_size, sg_block_g),
-        num_warps=1,  # one warp: the 2k+2 reductions are shuffles, no barriers (latency)
+    sg, su, sd = (shared_gate, shared_up, shared_down) if has_shared else (gate[0], up[0], down[0])
+    s_progs = 1 + cdiv(i_s, cfg.shared_rows) if has_shared else 0
+    _moe_router_kernel[(r_progs + s_progs,)](
+        x, nw, logits, h,
+        router.qweight, router.scales, router.biases, router.qweight.stride(0),
+        router.scales.stride(0),
+        seg.qweight, seg.scales, seg.biases,
+        sg.qweight, sg.scales, sg.biases, su.qweight, su.scales, su.biases,
+        sg.qweight.stride(0), sg.scales.stride(0),
+        e, d, i_s, h.stride(0), mask_lo(router.bits), mask_lo(seg.bits), mask_lo(gate.bits),
+        float(eps),
+        TOP_K=top_k, R_PROGS=r_progs, R_BN=cfg.router_rows, R_BITS=router.bits,
+        R_GROUP=router.group_size, R_BG=_whole(d, router.group_size), C_BITS=seg.bits,
+        C_GROUP=seg.group_size, C_BG=_whole(d, seg.group_size), S_BN=cfg.shared_rows,
+        BITS=gate.bits, GROUP=gs, S_BG=_whole(d, gs), HAS_NORM=has_norm,
+        NORM_BLOCK=norm_block, NORM_STEPS=norm_steps, ON_CPU=on_cpu, num_warps=cfg.num_warps,
     )  # fmt: skip
 
-    i_max = max(i, i_s)
-    h = torch.empty((n_slots, i_max), dtype=torch.float32, device=dev)
-    gu = cfg.gate_up
-    gu_bg = min(gu.block_g, triton.next_power_of_2(d // gate.group_size))
-    sg, su, sd = (shared_gate, shared_up, shared_down) if has_shared else (gate[0], up[0], down[0])
-    _moe_gate_up_kernel[(n_slots, triton.cdiv(i_max, gu.block_n))](
-        x, ids, h,
+    # 2. top-k in every program, routed gate/up; program 0 writes the (expert, weight) pairs.
+    ids = torch.empty(top_k, dtype=torch.int32, device=dev)
+    wts = torch.empty(top_k, dtype=torch.float32, device=dev)
+    nb = cdiv(i, cfg.gate_up_rows)
+    _moe_gate_up_kernel[(top_k * nb,)](
+        x, nw, logits, ids, wts, h,
         gate.qweight, gate.scales, gate.biases, up.qweight, up.scales, up.biases,
         gate.qweight.stride(0), gate.scales.stride(0), gate.qweight.stride(1),
         gate.scales.stride(1),
-        sg.qweight, sg.scales, sg.biases, su.qweight, su.scales, su.biases,
-        sg.qweight.stride(0), sg.scales.stride(0),
-        i, i_s, d, h.stride(0), mask_lo(gate.bits),
-        TOP_K=top_k, BITS=gate.bits, GROUP=gate.group_size, BLOCK_N=gu.block_n,
-        BLOCK_G=gu_bg, STEPS=_steps(d, gate.group_size, gu_bg),
-        num_warps=gu.num_warps,
+        e, d, i, h.stride(0), mask_lo(gate.bits), float(eps),
+        TOP_K=top_k, BLOCK_K=block_k, BLOCK_E=pow2(e), BITS=gate.bits,
+        GROUP=gs, BLOCK_G=_whole(d, gs), BLOCK_N=cfg.gate_up_rows, N_BLOCKS=nb,
+        HAS_NORM=has_norm, NORM_BLOCK=norm_block, NORM_STEPS=norm_steps, ON_CPU=on_cpu,
+        num_warps=cfg.num_warps,
     )  # fmt: skip
 
+    # 3. down for all slots, weighted sum, shared gate, residual.
     out = torch.empty(d, dtype=x.dtype, device=dev)
-    dn = cfg.down
-    block_g = min(dn.block_g, triton.next_power_of_2(max(i, i_s) // down.group_size))
-    _moe_down_kernel[(triton.cdiv(d, dn.block_n),)](
-        h, ids, wts, residual if residual is not None else out, out,
+    _moe_down_kernel[(cdiv(d, cfg.down_rows),)](
+        h, ids, wts, logits, residual if residual is not None else out, out,
         down.qweight, down.scales, down.biases, down.qweight.stride(0), down.scales.stride(0),
         down.qweight.stride(1), down.scales.stride(1),
         sd.qweight, sd.scales, sd.biases, sd.qweight.stride(0), sd.scales.stride(0),
-        d, i, i_s, h.stride(0), mask_lo(down.bits),
-        TOP_K=top_k, N_SLOTS=n_slots, BITS=down.bits, GROUP=down.group_size,
-        BLOCK_N=dn.block_n, BLOCK_G=block_g, STEPS=_steps(i, down.group_size, block_g),
-        STEPS_S=_steps(max(i_s, down.group_size), down.group_size, block_g),
-        HAS_RES=residual is not None, ON_CPU=dev.type == "cpu", num_warps=dn.num_warps,
+        e, d, i, i_s, h.stride(0), mask_lo(down.bits),
+        TOP_K=top_k, BLOCK_K=block_k, BITS=down.bits, GROUP=down.group_size,
+        BLOCK_G=_whole(i, down.group_size), S_BG=_whole(max(i_s, down.group_size), gs),
+        BLOCK_N=cfg.down_rows, HAS_SHARED=has_shared, HAS_RES=residual is not None,
+        ON_CPU=on_cpu, num_warps=cfg.down_warps,
     )  # fmt: skip
     return out

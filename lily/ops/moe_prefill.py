@@ -30,16 +30,15 @@ import torch
 import triton
 import triton.language as tl
 
-from lily.ops.moe_decode import _check_moe_weights, _check_shared
+from lily.ops.moe_decode import _check_moe_weights, _check_shared, topk_rows
 from lily.ops.qgemm import (
     GemmConfig,
     _launch_qgemm,
     block_m_for,
-    gemm_config,
     load_dequant,
     mma,
 )
-from lily.ops.qgemv import cast_to, check_weight, check_x, mask_lo, to_bf16
+from lily.ops.qgemv import cast_to, cdiv, check_weight, check_x, mask_lo, pow2, to_bf16
 from lily.quant import QuantWeight
 
 Tensor = torch.Tensor
@@ -60,19 +59,10 @@ def _moe_route_kernel(
     o_k = tl.arange(0, BLOCK_K)
     m_tk = m_t[:, None] & (o_k < TOP_K)[None, :]
     p_l = p_logits + o_t[:, None] * stride_lt + o_e[None, :]
-    b_l = tl.load(p_l, mask=m_t[:, None] & (o_e < E)[None, :], other=float("-inf"))
-    b_l = tl.where(m_t[:, None], b_l, 0.0)  # rows past T: finite, never stored
-    b_p = tl.exp(b_l - tl.max(b_l, axis=1)[:, None])
-    b_p = b_p / tl.sum(b_p, axis=1)[:, None]
-    ids = tl.zeros((BLOCK_T, BLOCK_K), tl.int32)
-    wts = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
-    for i in tl.static_range(TOP_K):
-        b_max = tl.max(b_p, axis=1)
-        i_max = tl.min(tl.where(b_p == b_max[:, None], o_e[None, :], BLOCK_E), axis=1)
-        ids = tl.where(o_k[None, :] == i, i_max[:, None], ids)
-        wts = tl.where(o_k[None, :] == i, b_max[:, None], wts)
-        b_p = tl.where(o_e[None, :] == i_max[:, None], -1.0, b_p)
-    wts = wts / tl.sum(wts, axis=1)[:, None]
+    b_l = tl.load(p_l, mask=m_t[:, None] & (o_e < E)[None, :], other=0.0)
+    # NOTE: top-k on integer keys: any logit, NaN or inf included, yields k distinct experts
+    # in 0..E-1 (a NaN token gets NaN weights, never an out-of-range id; see topk_rows).
+    ids, wts = topk_rows(b_l, E, TOP_K, BLOCK_K)
     p_tk = o_t[:, None] * TOP_K + o_k[None, :]
     tl.store(p_ids + p_tk, ids, mask=m_tk)
     # Slot k of the weights holds the shared expert's gate.
@@ -297,6 +287,13 @@ def moe_prefill_config(t: int, top_k: int, n_experts: int) -> MoePrefillConfig:
     return MoePrefillConfig(bm, GemmConfig(bm, 64, 64, 8, 3), GemmConfig(bm, 128, 64, 8, 3))
 
 
+def router_gemm_config(t: int, group_size: int) -> GemmConfig:
+    """Tile of the router GEMM (E = 256 rows): 64 rows and at most 64 tokens a program, so
+    short prompts still spread over 32-64 programs (the dense table's 128 x 128 tile gave 4
+    programs at T = 256, each dequantizing half the router twice on one SM)."""
+    return GemmConfig(min(64, block_m_for(t)), 64, max(64, group_size), num_warps=4, num_stages=3)
+
+
 _BLOCK_T = 16  # tokens per routing program
 _BLOCK_B = 32  # block-map tiles per planning program
 _BLOCK_R = 256  # (token, slot) pairs per planning program
@@ -355,32 +352,32 @@ def moe_prefill(
 
     # 1-2. router logits, top-k, weights, ranks inside each expert.
     logits = torch.empty((t, e), dtype=torch.float32, device=dev)
-    _launch_qgemm(x, router, logits, gemm_config(t, e, d, router.group_size), split_w=True)
+    _launch_qgemm(x, router, logits, router_gemm_config(t, router.group_size), split_w=True)
     ids = torch.empty((t, top_k), dtype=torch.int32, device=dev)
     rank = torch.empty((t, top_k), dtype=torch.int32, device=dev)
     wts = torch.empty((t, ks), dtype=torch.float32, device=dev)
     counts = torch.zeros(e, dtype=torch.int32, device=dev)
     sg_bk = max(256, seg.group_size)
-    _moe_route_kernel[(triton.cdiv(t, _BLOCK_T),)](
+    _moe_route_kernel[(cdiv(t, _BLOCK_T),)](
         logits, x, seg.qweight, seg.scales, seg.biases, ids, wts, counts, rank,
         t, e, d, logits.stride(0), x.stride(0), mask_lo(seg.bits),
-        TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_T=_BLOCK_T,
-        BLOCK_E=triton.next_power_of_2(e), HAS_SHARED=has_shared, SG_BITS=seg.bits,
-        SG_GROUP=seg.group_size, SG_BLOCK_K=sg_bk, SG_STEPS=triton.cdiv(d, sg_bk),
+        TOP_K=top_k, BLOCK_K=pow2(top_k), BLOCK_T=_BLOCK_T,
+        BLOCK_E=pow2(e), HAS_SHARED=has_shared, SG_BITS=seg.bits,
+        SG_GROUP=seg.group_size, SG_BLOCK_K=sg_bk, SG_STEPS=cdiv(d, sg_bk),
         num_warps=4,
     )  # fmt: skip
 
     # 3. offsets, scatter into expert order, block map (worst-case sized).
     rows_total = t * top_k + (t if has_shared else 0)
-    max_tiles = triton.cdiv(t * top_k, bm) + e + (triton.cdiv(t, bm) if has_shared else 0)
+    max_tiles = cdiv(t * top_k, bm) + e + (cdiv(t, bm) if has_shared else 0)
     pairs = torch.empty(rows_total, dtype=torch.int32, device=dev)
     tile_e = torch.empty(max_tiles, dtype=torch.int32, device=dev)
     tile_row = torch.empty(max_tiles, dtype=torch.int32, device=dev)
     tile_n = torch.empty(max_tiles, dtype=torch.int32, device=dev)
-    n_plan = max(triton.cdiv(max_tiles, _BLOCK_B), triton.cdiv(t * top_k, _BLOCK_R))
+    n_plan = max(cdiv(max_tiles, _BLOCK_B), cdiv(t * top_k, _BLOCK_R))
     _moe_plan_kernel[(n_plan,)](
         counts, ids, rank, pairs, tile_e, tile_row, tile_n, t, e, max_tiles,
-        TOP_K=top_k, BLOCK_M=bm, BLOCK_E=triton.next_power_of_2(e + 1), BLOCK_B=_BLOCK_B,
+        TOP_K=top_k, BLOCK_M=bm, BLOCK_E=pow2(e + 1), BLOCK_B=_BLOCK_B,
         BLOCK_R=_BLOCK_R, HAS_SHARED=has_shared, num_warps=4,
     )  # fmt: skip
 
@@ -389,7 +386,7 @@ def moe_prefill(
     h = torch.empty((rows_total, i_max), dtype=torch.bfloat16, device=dev)
     sg, su, sd = (shared_gate, shared_up, shared_down) if has_shared else (gate[0], up[0], down[0])
     gu = cfg.gate_up
-    nb = triton.cdiv(i_max, gu.block_n)
+    nb = cdiv(i_max, gu.block_n)
     _moe_gate_up_kernel[(max_tiles * nb,)](
         x, pairs, tile_e, tile_row, tile_n, h,
         gate.qweight, gate.scales, gate.biases, up.qweight, up.scales, up.biases,
@@ -399,13 +396,13 @@ def moe_prefill(
         sg.qweight.stride(0), sg.scales.stride(0),
         e, i, i_s, d, x.stride(0), h.stride(0), mask_lo(gate.bits),
         TOP_K=top_k, BITS=gate.bits, GROUP=gate.group_size, BLOCK_M=bm, BLOCK_N=gu.block_n,
-        BLOCK_K=gu.block_k, K_STEPS=triton.cdiv(d, gu.block_k), N_BLOCKS=nb, ON_CPU=on_cpu,
+        BLOCK_K=gu.block_k, K_STEPS=cdiv(d, gu.block_k), N_BLOCKS=nb, ON_CPU=on_cpu,
         num_warps=gu.num_warps, num_stages=gu.num_stages,
     )  # fmt: skip
 
     # 5. down grouped GEMM, routing weight in the epilogue.
     dn = cfg.down
-    nb = triton.cdiv(d, dn.block_n)
+    nb = cdiv(d, dn.block_n)
     if atomic:
         y = residual.float() if residual is not None else torch.zeros(t, d, device=dev)
         y = y.contiguous()
@@ -418,18 +415,18 @@ def moe_prefill(
         sd.qweight, sd.scales, sd.biases, sd.qweight.stride(0), sd.scales.stride(0),
         e, d, i, i_s, h.stride(0), y.stride(0), mask_lo(down.bits),
         TOP_K=top_k, BITS=down.bits, GROUP=down.group_size, BLOCK_M=bm, BLOCK_N=dn.block_n,
-        BLOCK_K=dn.block_k, K_STEPS=triton.cdiv(i_max, dn.block_k), N_BLOCKS=nb,
+        BLOCK_K=dn.block_k, K_STEPS=cdiv(i_max, dn.block_k), N_BLOCKS=nb,
         ATOMIC=atomic, ON_CPU=on_cpu, num_warps=dn.num_warps, num_stages=dn.num_stages,
     )  # fmt: skip
 
     # 6. residual + sum over slots (or the fp32 buffer's rounding, with atomics).
     out = torch.empty((t, d), dtype=x.dtype, device=dev)
-    block_d = min(1024, triton.next_power_of_2(d))
+    block_d = min(1024, pow2(d))
     if atomic:
         n_slots, stride, res = 1, 1, None
     else:
         n_slots, stride, res = top_k + int(has_shared), ks, residual
-    _moe_combine_kernel[(t, triton.cdiv(d, block_d))](
+    _moe_combine_kernel[(t, cdiv(d, block_d))](
         y, res if res is not None else out, out, t, d, y.stride(0),
         res.stride(0) if res is not None else 0, out.stride(0),
         N_SLOTS=n_slots, PAIR_STRIDE=stride, BLOCK_D=block_d, HAS_RES=res is not None,

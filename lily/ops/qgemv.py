@@ -2,7 +2,8 @@
 
 Decode is bound by the bytes of the packed weight, so the kernel reads each word once, with
 16-byte loads, and spends about 3.5 instructions per 4-bit code in its inner loop (budget
-at full bandwidth on an H200: about 4.5). The trick that makes that possible (see docs/notes/linear_kernels.md):
+at full bandwidth on an H200: about 4.5). The trick that makes that possible (see
+docs/notes/linear_kernels.md):
 
 * a code is never converted int -> float. Masked into the mantissa of 1.0 at bit ``p`` it
   *is* the float ``f = 1 + q * 2**(p - 23)``; for 4 bits, even codes land at bit 19 and odd
@@ -15,6 +16,10 @@ at full bandwidth on an H200: about 4.5). The trick that makes that possible (se
 Grid: (row blocks, SPLIT_K). With SPLIT_K > 1 every program writes an fp32 partial and the
 last program of a row block (an atomic ticket) adds them in a fixed order, so no extra launch
 and deterministic results.
+
+Optional RMSNorm prologue (``norm_weight``): the GEMV consumes ``rmsnorm(x) * w_norm``. x is
+a few KB, so every program computes the row statistics itself (fp32) instead of a separate
+norm launch; it issues its weight loads first so the statistics hide under their latency.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from lily.quant import QuantWeight
 Tensor = torch.Tensor
 
 MAX_ROWS = 8  # the batched variant handles up to this many rows of x
+_NORM_BLOCK = 4096  # x values per step of the norm statistics
 
 
 @triton.jit
@@ -119,17 +125,11 @@ def dot_words(b_w, b_xp, mask_lo, BITS: tl.constexpr):
 
 
 @triton.jit
-def gemv_rows(b_w, b_s, b_b, p_xk, m_w, mask_lo, BITS: tl.constexpr, BLOCK_G: tl.constexpr):
-    """fp32 (BN,) = x[k slice] @ w[rows, k slice].T for one x row.
-
-    b_w: words (BN, BW); b_s, b_b: fp32 scales and biases (BN, BG); p_xk: x at the slice's
-    first input; m_w: (BW,) words inside K.
-    """
+def gemv_tile(b_w, b_s, b_b, b_x, mask_lo, BITS: tl.constexpr, BLOCK_G: tl.constexpr):
+    """fp32 (BN,) = x slice @ w[rows, slice].T for words (BN, BW), fp32 scales and biases
+    (BN, BG) and the x slice (BW, PER) fp32."""
     BW: tl.constexpr = b_w.shape[1]
     BN: tl.constexpr = b_w.shape[0]
-    PER: tl.constexpr = 32 // BITS
-    o_x = tl.arange(0, BW)[:, None] * PER + tl.arange(0, PER)[None, :]
-    b_x = tl.load(p_xk + o_x, mask=m_w[:, None], other=0.0).to(tl.float32)
     b_xp, b_xs, b_xps = x_prep(b_x, BITS, BLOCK_G)
     b_d = dot_words(b_w, b_xp, mask_lo, BITS)
     b_d = tl.sum(tl.reshape(b_d, (BN, BLOCK_G, BW // BLOCK_G)), axis=2)
@@ -137,71 +137,128 @@ def gemv_rows(b_w, b_s, b_b, p_xk, m_w, mask_lo, BITS: tl.constexpr, BLOCK_G: tl
 
 
 @triton.jit
+def load_words(p_qw, p_s, p_b, stride_qn, stride_sn, o_n, m_n, g0, g_end,
+               BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr):  # fmt: skip
+    """Words (BN, BW) int32 and fp32 scales, biases (BN, BG) of rows o_n, groups g0.. (groups
+    at or past g_end and rows outside m_n read as 0: f = 1 against a zero scale and x)."""
+    WPG: tl.constexpr = GROUP * BITS // 32
+    BW: tl.constexpr = BLOCK_G * WPG
+    o_g = g0 + tl.arange(0, BLOCK_G)
+    o_w = g0 * WPG + tl.arange(0, BW)
+    m_w = o_w < g_end * WPG
+    b_w = tl.load(p_qw + o_n[:, None] * stride_qn + o_w[None, :],
+                  mask=m_n[:, None] & m_w[None, :], other=0)  # fmt: skip
+    m_sb = m_n[:, None] & (o_g < g_end)[None, :]
+    p_sb = o_n[:, None] * stride_sn + o_g[None, :]
+    b_s = tl.load(p_s + p_sb, mask=m_sb, other=0.0).to(tl.float32)
+    b_b = tl.load(p_b + p_sb, mask=m_sb, other=0.0).to(tl.float32)
+    return b_w, b_s, b_b
+
+
+@triton.jit
+def load_x(p_x, p_nw, g0, g_end, m_row, HAS_NORM: tl.constexpr,
+           BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr):  # fmt: skip
+    """x slice (BW, PER) of groups g0.. (0 past g_end or when not m_row), and the norm
+    weight's slice (ones without a norm), both as loaded."""
+    PER: tl.constexpr = 32 // BITS
+    BW: tl.constexpr = BLOCK_G * GROUP // PER
+    o_x = g0 * GROUP + tl.arange(0, BW)[:, None] * PER + tl.arange(0, PER)[None, :]
+    m_x = (o_x < g_end * GROUP) & m_row
+    b_x = tl.load(p_x + o_x, mask=m_x, other=0.0)
+    if HAS_NORM:
+        b_nw = tl.load(p_nw + o_x, mask=m_x, other=0.0)
+    else:
+        b_nw = tl.full((BW, PER), 1.0, tl.float32)
+    return b_x, b_nw
+
+
+@triton.jit
+def norm_x(b_x, b_nw, rstd, HAS_NORM: tl.constexpr, ON_CPU: tl.constexpr):
+    """fp32 ``x * rstd * w_norm`` rounded to x's dtype, as the unfused rms_norm returns it
+    (so fusing changes no bits); x itself in fp32 without a norm."""
+    if HAS_NORM:
+        y = b_x.to(tl.float32) * rstd * b_nw.to(tl.float32)
+        return cast_to(y, b_x.dtype, ON_CPU).to(tl.float32)
+    return b_x.to(tl.float32)
+
+
+@triton.jit
+def row_rstd(p_x, stride_xt, T, K, eps, BT: tl.constexpr, NORM_BLOCK: tl.constexpr,
+             NORM_STEPS: tl.constexpr):  # fmt: skip
+    """fp32 ``1 / sqrt(mean(x^2) + eps)`` of rows 0..BT-1 (rows past T give finite junk)."""
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, NORM_BLOCK)
+    b_ss = tl.zeros((BT,), tl.float32)
+    for i in range(NORM_STEPS):
+        k = i * NORM_BLOCK + o_k
+        p = p_x + o_t[:, None] * stride_xt + k[None, :]
+        b_x = tl.load(p, mask=(o_t < T)[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+        b_ss += tl.sum(b_x * b_x, axis=1)
+    return 1.0 / tl.sqrt_rn(b_ss / K + eps)
+
+
+@triton.jit
+def _pick(v, o_t, t):
+    # Element t of a small vector, as a scalar.
+    return tl.sum(tl.where(o_t == t, v, 0.0), axis=0)
+
+
+@triton.jit
 def gemv_block(
-    p_x,
-    stride_xt,
-    T,
-    p_qw,
-    p_s,
-    p_b,
-    stride_qn,
-    stride_sn,
-    o_n,
-    m_n,
-    g_start,
-    g_end,
-    mask_lo,
-    BITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    STEPS: tl.constexpr,
-    BT: tl.constexpr,
-):
-    """fp32 (BT, BN) = x[:T, groups g_start:g_end] @ w[o_n, same groups].T (dequantized).
+    p_x, stride_xt, T, K, p_nw, eps,
+    p_qw, p_s, p_b, stride_qn, stride_sn, o_n, m_n, g_start, g_end, mask_lo,
+    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, STEPS: tl.constexpr,
+    BT: tl.constexpr, HAS_NORM: tl.constexpr, NORM_BLOCK: tl.constexpr,
+    NORM_STEPS: tl.constexpr, ON_CPU: tl.constexpr,
+):  # fmt: skip
+    """fp32 (BT, BN) = x'[:T, groups g_start:g_end] @ w[o_n, same groups].T (dequantized),
+    with x' = rmsnorm(x) * w_norm when HAS_NORM, else x.
 
     Runs STEPS steps of BLOCK_G groups from g_start; groups at or past g_end are masked.
+    The first step's loads (weights, x, norm weight) are issued before the norm statistics'
+    reductions, whose barriers would otherwise hold the weight loads back.
     NOTE: loop bounds are constexpr because the Triton interpreter (numpy >= 2) cannot take
     a run-time scalar as a ``range`` bound.
     """
-    PER: tl.constexpr = 32 // BITS
-    WPG: tl.constexpr = GROUP // PER
-    BW: tl.constexpr = BLOCK_G * WPG
     BN: tl.constexpr = o_n.shape[0]
     o_t = tl.arange(0, BT)
-    o_g = tl.arange(0, BLOCK_G)
-    o_w = tl.arange(0, BW)
     acc = tl.zeros((BT, BN), tl.float32)
-    for i_s in range(STEPS):
+    b_w, b_s, b_b = load_words(p_qw, p_s, p_b, stride_qn, stride_sn, o_n, m_n, g_start, g_end,
+                               BITS, GROUP, BLOCK_G)  # fmt: skip
+    if BT == 1:
+        b_x, b_nw = load_x(p_x, p_nw, g_start, g_end, T > 0, HAS_NORM, BITS, GROUP, BLOCK_G)
+    if HAS_NORM:
+        rstd = row_rstd(p_x, stride_xt, T, K, eps, BT, NORM_BLOCK, NORM_STEPS)
+    else:
+        rstd = tl.full((BT,), 1.0, tl.float32)
+    for i_s in tl.static_range(STEPS):
         g0 = g_start + i_s * BLOCK_G
-        m_g = (g0 + o_g) < g_end
-        m_w = (g0 * WPG + o_w) < g_end * WPG
-        # NOTE: masked words read as 0 (f = 1) and masked x as 0, so they add nothing.
-        b_w = tl.load(
-            p_qw + o_n[:, None] * stride_qn + (g0 * WPG + o_w)[None, :],
-            mask=m_n[:, None] & m_w[None, :], other=0,
-        )  # fmt: skip
-        m_sb = m_n[:, None] & m_g[None, :]
-        p_sb = o_n[:, None] * stride_sn + (g0 + o_g)[None, :]
-        b_s = tl.load(p_s + p_sb, mask=m_sb, other=0.0).to(tl.float32)
-        b_b = tl.load(p_b + p_sb, mask=m_sb, other=0.0).to(tl.float32)
+        if i_s > 0:
+            b_w, b_s, b_b = load_words(p_qw, p_s, p_b, stride_qn, stride_sn, o_n, m_n, g0,
+                                       g_end, BITS, GROUP, BLOCK_G)  # fmt: skip
         if BT == 1:
-            c = gemv_rows(b_w, b_s, b_b, p_x + g0 * GROUP, m_w & (T > 0), mask_lo, BITS, BLOCK_G)
-            acc += c[None, :]
+            if i_s > 0:
+                b_x, b_nw = load_x(p_x, p_nw, g0, g_end, T > 0, HAS_NORM, BITS, GROUP, BLOCK_G)
+            b_xn = norm_x(b_x, b_nw, tl.sum(rstd, axis=0), HAS_NORM, ON_CPU)
+            acc += gemv_tile(b_w, b_s, b_b, b_xn, mask_lo, BITS, BLOCK_G)[None, :]
         else:
             # A row at a time: the unpacked codes are common subexpressions across rows.
             for t in tl.static_range(BT):
-                p_xk = p_x + t * stride_xt + g0 * GROUP
-                c = gemv_rows(b_w, b_s, b_b, p_xk, m_w & (t < T), mask_lo, BITS, BLOCK_G)
+                b_x, b_nw = load_x(p_x + t * stride_xt, p_nw, g0, g_end, t < T, HAS_NORM,
+                                   BITS, GROUP, BLOCK_G)  # fmt: skip
+                b_xn = norm_x(b_x, b_nw, _pick(rstd, o_t, t), HAS_NORM, ON_CPU)
+                c = gemv_tile(b_w, b_s, b_b, b_xn, mask_lo, BITS, BLOCK_G)
                 acc += tl.where(o_t[:, None] == t, c[None, :], 0.0)
     return acc
 
 
 @triton.jit
 def _qgemv_kernel(
-    p_x, p_qw, p_s, p_b, p_res, p_out, p_part, p_ticket,
-    T, N, K, stride_xt, stride_qn, stride_sn, stride_rt, stride_ot, mask_lo,
+    p_x, p_qw, p_s, p_b, p_nw, p_res, p_out, p_part, p_ticket,
+    T, N, K, stride_xt, stride_qn, stride_sn, stride_rt, stride_ot, mask_lo, eps,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_G: tl.constexpr, SPLIT_K: tl.constexpr, HAS_RES: tl.constexpr,
+    HAS_NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr,
     groups_per_split: tl.constexpr, ON_CPU: tl.constexpr,
 ):  # fmt: skip
     i_n = tl.program_id(0)
@@ -213,8 +270,10 @@ def _qgemv_kernel(
     g_start = i_k * groups_per_split
     g_end = tl.minimum(g_start + groups_per_split, K // GROUP)
     acc = gemv_block(
-        p_x, stride_xt, T, p_qw, p_s, p_b, stride_qn, stride_sn, o_n, m_n, g_start, g_end, mask_lo,
-        BITS, GROUP, BLOCK_G, triton.cdiv(groups_per_split, BLOCK_G), BLOCK_T,
+        p_x, stride_xt, T, K, p_nw, eps,
+        p_qw, p_s, p_b, stride_qn, stride_sn, o_n, m_n, g_start, g_end, mask_lo,
+        BITS, GROUP, BLOCK_G, triton.cdiv(groups_per_split, BLOCK_G), BLOCK_T, HAS_NORM,
+        NORM_BLOCK, NORM_STEPS, ON_CPU,
     )  # fmt: skip
     m_tn = m_t[:, None] & m_n[None, :]
     if SPLIT_K > 1:
@@ -266,22 +325,47 @@ def mask_lo(bits: int) -> int:
     return 0x78000 if bits == 4 else 0x7F8000
 
 
+def cdiv(a: int, b: int) -> int:
+    """Host-side ceil(a / b).
+
+    NOTE: ``triton.cdiv`` and ``triton.next_power_of_2`` are ConstexprFunctions in Triton 3.6:
+    a few microseconds per host call, which adds up to tens of microseconds per launcher."""
+    return -(-a // b)
+
+
+def pow2(n: int) -> int:
+    """Host-side smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+_STEP_WORDS = 4096  # packed words one program loads per K step (16 KB, 32 a thread)
+
+
 def gemv_config(n: int, k: int, t: int, bits: int, group_size: int) -> GemvConfig:
     """Tile for a shape (a stand-in for a measured table; see docs/notes/linear_kernels.md).
 
-    Aim: a few programs per SM, each issuing its whole K slice (up to 2048 codes a row) at
-    once, with several rows per thread so that the x-side work is shared. Few rows (k/v
-    projections, in_proj_a/b, routers): split K so that more SMs take part.
+    Aim: about 512 programs, each issuing its whole K slice at once (16 KB of words), no
+    split-K where the rows allow it (its ticket and partials add a dependent round trip:
+    2048x4096 measured 7.0 us split in two against 4.5 us for 4096x2048 unsplit). Few rows
+    (routers, the lone k/v projections): split K so that more SMs take part.
     """
     n_groups = k // group_size
-    # Up to 2048 codes a row per step; with T rows, 1/T of that (registers hold T x rows).
-    per_step = min(triton.next_power_of_2(n_groups), max(1, 2048 // group_size // t))
     if n >= 65536:  # lm_head: many row blocks, loop over K with a big tile
-        return GemvConfig(64, min(per_step, max(1, 512 // group_size)), 1, 4)
-    block_n = 16 if n >= 8192 and t == 1 else 8
-    row_blocks = triton.cdiv(n, block_n)
-    split = min(max(1, 512 // row_blocks), max(1, n_groups // 2), 16)
-    block_g = min(per_step, triton.next_power_of_2(triton.cdiv(n_groups, split)))
+        return GemvConfig(64, min(pow2(n_groups), max(1, 512 // group_size)))
+    if t == 1:
+        block_n = 16 if n >= 8192 else 8 if n >= 4096 else 4
+        wpg = group_size * bits // 32
+        per_step = max(1, _STEP_WORDS // (block_n * wpg))
+    else:
+        # Registers hold T rows of x-side values: 2048 codes a row per step over T.
+        block_n = 8
+        per_step = max(1, 2048 // group_size // t)
+    per_step = min(pow2(n_groups), per_step)
+    row_blocks = cdiv(n, block_n)
+    split = 1
+    if row_blocks < 256:
+        split = min(max(1, 512 // row_blocks), max(1, n_groups // 2), 16)
+    block_g = min(per_step, pow2(cdiv(n_groups, split)))
     return GemvConfig(block_n, block_g, split, 4)
 
 
@@ -324,16 +408,41 @@ def check_x(x: Tensor, k: int, name: str, device: torch.device) -> None:
         raise ValueError(f"{name}: x is on {x.device}, the weight on {device}")
 
 
+def check_norm(norm_weight: Tensor | None, k: int, name: str, device: torch.device) -> Tensor:
+    """The RMSNorm multiplier (K,) as a contiguous float tensor (clear errors otherwise)."""
+    if not isinstance(norm_weight, Tensor):
+        raise TypeError(f"{name}: norm_weight must be a tensor, got {type(norm_weight).__name__}")
+    if tuple(norm_weight.shape) != (k,):
+        raise ValueError(f"{name}: norm_weight {tuple(norm_weight.shape)} must be ({k},)")
+    if not norm_weight.is_floating_point() or norm_weight.dtype == torch.float64:
+        raise TypeError(f"{name}: norm_weight dtype {norm_weight.dtype} is not bf16/fp16/fp32")
+    if norm_weight.device != device:
+        raise ValueError(f"{name}: norm_weight is on {norm_weight.device}, x on {device}")
+    return norm_weight.contiguous()
+
+
+def norm_meta(k: int) -> tuple[int, int]:
+    """(NORM_BLOCK, NORM_STEPS) for the statistics of a K-wide row."""
+    block = min(_NORM_BLOCK, pow2(k))
+    return block, cdiv(k, block)
+
+
 def _launch_qgemv(
-    x: Tensor, w: QuantWeight, residual: Tensor | None, out: Tensor, cfg: GemvConfig
+    x: Tensor,
+    w: QuantWeight,
+    residual: Tensor | None,
+    out: Tensor,
+    cfg: GemvConfig,
+    norm_weight: Tensor | None = None,
+    eps: float = 1e-6,
 ) -> None:
     t, k = x.shape
     n = w.shape[0]
     n_groups = k // w.group_size
-    per_split = triton.cdiv(n_groups, cfg.split_k)
-    split = triton.cdiv(n_groups, per_split)  # no empty K slices
-    block_t = triton.next_power_of_2(t)
-    row_blocks = triton.cdiv(n, cfg.block_n)
+    per_split = cdiv(n_groups, cfg.split_k)
+    split = cdiv(n_groups, per_split)  # no empty K slices
+    block_t = pow2(t)
+    row_blocks = cdiv(n, cfg.block_n)
     if split > 1:
         part = torch.empty((split, block_t, n), dtype=torch.float32, device=x.device)
         # NOTE: every launch leaves its tickets at zero again; a fresh zeroed buffer per call
@@ -342,12 +451,15 @@ def _launch_qgemv(
     else:
         part = ticket = out
     res = residual if residual is not None else out
+    nw = norm_weight if norm_weight is not None else x
+    norm_block, norm_steps = norm_meta(k)
     _qgemv_kernel[(row_blocks, split)](
-        x, w.qweight, w.scales, w.biases, res, out, part, ticket,
+        x, w.qweight, w.scales, w.biases, nw, res, out, part, ticket,
         t, n, k, x.stride(0), w.qweight.stride(0), w.scales.stride(0), res.stride(0),
-        out.stride(0), mask_lo(w.bits),
+        out.stride(0), mask_lo(w.bits), float(eps),
         BITS=w.bits, GROUP=w.group_size, BLOCK_T=block_t, BLOCK_N=cfg.block_n,
         BLOCK_G=cfg.block_g, SPLIT_K=split, HAS_RES=residual is not None,
+        HAS_NORM=norm_weight is not None, NORM_BLOCK=norm_block, NORM_STEPS=norm_steps,
         groups_per_split=per_split, ON_CPU=x.device.type == "cpu", num_warps=cfg.num_warps,
     )  # fmt: skip
 
@@ -356,15 +468,20 @@ def qgemv(
     x: Tensor,
     w: QuantWeight,
     *,
+    norm_weight: Tensor | None = None,
+    eps: float = 1e-6,
     residual: Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     config: GemvConfig | None = None,
 ) -> Tensor:
-    """``residual + x @ dequantize(w).T`` for a decode row.
+    """``residual + x' @ dequantize(w).T`` for a decode row.
 
     x: (K,) or (T, K) with T <= 8, bf16/fp16/fp32; w: QuantWeight (N, K), 4 or 8 bits.
-    Returns (N,) or (T, N) in ``out_dtype`` (default x's dtype), accumulated in fp32;
-    ``residual`` (same shape as the output) is added before the final rounding.
+    ``x' = rmsnorm(x) * norm_weight`` (``x * rsqrt(mean(x^2) + eps) * norm_weight``, fp32
+    statistics, rounded to x's dtype as the unfused ``rms_norm`` returns it) when
+    ``norm_weight`` (K,) is given, else x. Returns (N,) or (T, N) in ``out_dtype`` (default
+    x's dtype), accumulated in fp32; ``residual`` (same shape as the output) is added
+    before the final rounding.
     """
     check_weight(w, "qgemv: w", 2)
     n, k = w.shape
@@ -375,6 +492,8 @@ def qgemv(
     if x2.shape[0] > MAX_ROWS or x2.shape[0] < 1:
         raise ValueError(f"qgemv: {x2.shape[0]} rows; the GEMV takes 1..{MAX_ROWS} (use qgemm)")
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    if norm_weight is not None:
+        norm_weight = check_norm(norm_weight, k, "qgemv", x.device)
     out_shape = (n,) if x.dim() == 1 else (x2.shape[0], n)
     out = torch.empty((x2.shape[0], n), dtype=out_dtype or x.dtype, device=x.device)
     res2 = None
@@ -387,5 +506,5 @@ def qgemv(
         res2 = residual.reshape(x2.shape[0], n)
         res2 = res2 if res2.stride(-1) == 1 else res2.contiguous()
     cfg = config or gemv_config(n, k, x2.shape[0], w.bits, w.group_size)
-    _launch_qgemv(x2, w, res2, out, cfg)
+    _launch_qgemv(x2, w, res2, out, cfg, norm_weight, eps)
     return out.reshape(out_shape)

@@ -13,15 +13,17 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 if not torch.cuda.is_available():
     # Kernels are built at import; tests/conftest.py normally sets this first.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from lily.ops.moe_decode import MoeDecodeConfig, moe_decode  # noqa: E402
+from lily.model.norm import rms_norm  # noqa: E402
+from lily.ops.moe_decode import MoeDecodeConfig, moe_decode, topk_rows  # noqa: E402
 from lily.ops.moe_prefill import MoePrefillConfig, moe_prefill, moe_prefill_config  # noqa: E402
 from lily.ops.qgemm import GemmConfig  # noqa: E402
-from lily.ops.qgemv import GemvConfig  # noqa: E402
 from lily.ops.ref_linear import ref_moe, ref_qlinear, ref_route  # noqa: E402
 from lily.quant import quantize  # noqa: E402
 
@@ -79,26 +81,49 @@ def moe_err(y: torch.Tensor, w: dict, x: torch.Tensor, k: int, res: torch.Tensor
     return rel_err(y.float() - res.float(), ref - res.float())
 
 
+# Wider tiles keep the interpreter quick (fewer programs); the default table elsewhere.
+WIDE = MoeDecodeConfig(router_rows=8, shared_rows=32, gate_up_rows=32, down_rows=32)
+ODD = MoeDecodeConfig(router_rows=2, shared_rows=16, gate_up_rows=16, down_rows=16,
+                      num_warps=2, down_warps=2)  # fmt: skip
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    "e,k,bits,gs,shared,dtype,bound",
+    "e,k,bits,gs,shared,dtype,norm,cfg,bound",
     [
-        (5, 2, 4, 64, True, torch.float32, 1e-4),
-        (5, 3, 8, 32, False, torch.float32, 1e-4),
-        (12, 8, 4, 32, True, torch.bfloat16, 2e-2),
+        (5, 2, 4, 64, True, torch.float32, False, None, 1e-4),
+        (5, 3, 8, 32, False, torch.float32, True, ODD, 1e-4),
+        (12, 8, 4, 32, True, torch.bfloat16, False, WIDE, 2e-2),
+        (12, 8, 4, 64, True, torch.bfloat16, True, WIDE, 2e-2),
     ],
-    ids=["4b-g64-shared-fp32", "8b-g32-k3-fp32", "4b-g32-e12-k8-bf16"],
+    ids=[
+        "4b-g64-shared-fp32",
+        "8b-g32-k3-fp32-norm",
+        "4b-g32-e12-k8-bf16",
+        "4b-g64-e12-k8-bf16-norm",
+    ],  # fmt: skip
 )
-def test_moe_decode_matches_reference(poison, device, e, k, bits, gs, shared, dtype, bound):
+def test_moe_decode_matches_reference(
+    poison, device, e, k, bits, gs, shared, dtype, norm, cfg, bound
+):  # fmt: skip
+    """One token, router to residual. With ``norm``: the MoE of rmsnorm(x) * w_norm, the
+    residual the un-normed x (a decoder layer's post-attention half); reference: the
+    model's unfused rms_norm, then ref_moe."""
     w = make_moe(e, bits, gs, shared, seed=e * k + bits, device=device)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(D, generator=g).to(device, dtype)
+    x = (2.0 * torch.randn(D, generator=g) + 0.3).to(device, dtype)
     res = torch.randn(D, generator=g).to(device, dtype)
-    # Wider tiles for the 9-slot case keep the interpreter quick; others use the defaults.
-    cfg = MoeDecodeConfig(GemvConfig(32, 4), GemvConfig(32, 2, 1, 2)) if k == 8 else None
-    y = moe_decode(x, *w.values(), k, res, config=cfg)
+    if norm:
+        nw = (1.0 + 0.2 * torch.randn(D, generator=g)).to(device, torch.bfloat16)
+        y = moe_decode(x, *w.values(), k, res, norm_weight=nw, eps=1e-5, config=cfg)
+        h = rms_norm(x, nw, 1e-5)
+    else:
+        y = moe_decode(x, *w.values(), k, res, config=cfg)
+        h = x
     assert y.shape == (D,) and y.dtype == dtype
-    assert moe_err(y, w, x, k, res) < bound
+    assert moe_err(y, w, h, k, res) < bound
+    if norm:  # the norm must matter (x is far from unit RMS)
+        assert moe_err(y, w, x, k, res) > 0.1
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -108,26 +133,74 @@ def test_moe_decode_replays_on_new_tokens(device):
     w = make_moe(8, 4, 64, True, seed=21, device=device)
     g = torch.Generator().manual_seed(9)
     xs = [torch.randn(D, generator=g).bfloat16().to(device) for _ in range(3)]
-    rs = [torch.randn(D, generator=g).bfloat16().to(device) for _ in range(3)]
-    x, r = xs[0].clone(), rs[0].clone()
+    nw = (1.0 + 0.2 * torch.randn(D, generator=g)).bfloat16().to(device)
+    x = xs[0].clone()
+
+    def call():
+        return moe_decode(x, *w.values(), 2, x, norm_weight=nw, config=WIDE)
+
     if device == "cuda":
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            moe_decode(x, *w.values(), 2, r)  # compile outside the capture
+            call()  # compile outside the capture
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = moe_decode(x, *w.values(), 2, r)
+            out = call()
     for i in (1, 2):
         x.copy_(xs[i])
-        r.copy_(rs[i])
         if device == "cuda":
             graph.replay()
             torch.cuda.synchronize()
         else:
-            out = moe_decode(x, *w.values(), 2, r)
-        assert moe_err(out, w, xs[i], 2, rs[i]) < 2e-2
+            out = call()
+        assert moe_err(out, w, rms_norm(xs[i], nw, 1e-6), 2, xs[i]) < 2e-2
+
+
+@triton.jit
+def _topk_test_kernel(p_l, p_ids, p_wts, E, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCK_E: tl.constexpr):  # fmt: skip
+    o_r = tl.program_id(0) * 2 + tl.arange(0, 2)
+    o_e = tl.arange(0, BLOCK_E)
+    o_k = tl.arange(0, BLOCK_K)
+    b_l = tl.load(p_l + o_r[:, None] * E + o_e[None, :], mask=(o_e < E)[None, :], other=0.0)
+    ids, wts = topk_rows(b_l, E, TOP_K, BLOCK_K)
+    p_o = o_r[:, None] * TOP_K + o_k[None, :]
+    tl.store(p_ids + p_o, ids, mask=(o_k < TOP_K)[None, :])
+    tl.store(p_wts + p_o, wts, mask=(o_k < TOP_K)[None, :])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # NaN maths, on purpose
+def test_topk_rows_ties_and_nan(device):
+    """The routing top-k: against torch's softmax/topk/renormalise on finite rows (E = 11,
+    not a power of two; equal logits go to the lowest index), and on rows holding NaN or
+    inf it must still pick k distinct experts in 0..E-1: an expert id is an address, and a
+    NaN activation used to turn into an illegal memory access in moe_prefill."""
+    e, k = 11, 4
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(8, e, generator=g) * 3
+    logits[1, [2, 7, 9]] = 50.0  # a three-way tie for the top
+    logits[2] = 0.0  # all equal: experts 0..3
+    logits[3] = -1e30  # huge negatives: exp underflows in a naive softmax
+    logits[4, 3] = float("nan")
+    logits[5] = float("nan")
+    logits[6, [1, 8]] = float("inf")
+    logits[7, 5] = float("-inf")
+    ids = torch.full((8, k), -1, dtype=torch.int32, device=device)
+    wts = torch.full((8, k), -1.0, device=device)
+    _topk_test_kernel[(4,)](logits.to(device), ids, wts, e, TOP_K=k, BLOCK_K=4, BLOCK_E=16)
+    ids, wts = ids.cpu().long(), wts.cpu()
+    for r in range(8):
+        assert len(set(ids[r].tolist())) == k and 0 <= ids[r].min() and ids[r].max() < e, r
+    finite = [0, 1, 2, 3, 7]
+    ref_w, _ = ref_route(logits[finite], k)
+    assert torch.allclose(wts[finite], ref_w, rtol=1e-5, atol=1e-6)
+    assert ids[1, :3].tolist() == [2, 7, 9] and ids[2].tolist() == [0, 1, 2, 3]
+    order = torch.sort(-logits[[0, 7]], dim=1, stable=True).indices[:, :k]
+    assert torch.equal(ids[[0, 7]], order)
+    assert set(ids[6, :2].tolist()) == {1, 8}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -169,6 +242,58 @@ def test_moe_prefill_skewed_routing_and_empty_experts(poison, device):
     cfg = MoePrefillConfig(16, GemmConfig(16, 32, 64), GemmConfig(16, 64, 64))
     y = moe_prefill(x, *w.values(), 2, None, config=cfg)
     assert rel_err(y, ref_moe(x, *w.values(), 2)) < 2e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # NaN maths, on purpose
+def test_moe_prefill_nan_tokens_stay_contained(poison, device):
+    """Tokens whose activations are NaN (or inf) must not disturb the plan: before the
+    integer-key top-k, a NaN row's experts came out as E (out of range), so the expert
+    histogram lost rows, some (token, slot) pairs were never scattered and their rows read
+    garbage indices: the 32K-token prefill's illegal memory access. Every other token must
+    still match the reference exactly as without the bad rows."""
+    w = make_moe(5, 4, 64, True, seed=13, device=device)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(37, D, generator=g).bfloat16()
+    res = torch.randn(37, D, generator=g).bfloat16()
+    bad = [0, 16, 17, 36]  # tile edges, the first and the last token
+    x[bad[:3]] = float("nan")
+    x[bad[3], 5] = float("inf")
+    cfg = MoePrefillConfig(16, GemmConfig(16, 32, 64), GemmConfig(16, 64, 64))
+    y = moe_prefill(x.to(device), *w.values(), 2, res.to(device), config=cfg).cpu()
+    good = [t for t in range(37) if t not in bad]
+    w_cpu = {n: (v.to("cpu") if v is not None else None) for n, v in w.items()}
+    ref = ref_moe(x[good], *w_cpu.values(), 2, res[good])
+    assert rel_err(y[good].float() - res[good].float(), ref - res[good].float()) < 2e-2
+    assert torch.isnan(y[bad[:3]]).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_moe_prefill_repeated_calls_skewed(poison, device):
+    """Calls of different T in a row (as prefill chunks run) with routing as skewed as it
+    gets: every token on the same two experts (70 rows each: five 16-row tiles, the last
+    partial), then a short call, then one where tokens split between two expert pairs.
+    Nothing may carry over between calls, and T is never a multiple of the tile."""
+    w = make_moe(5, 4, 64, False, seed=17, device=device)
+    g = torch.Generator().manual_seed(8)
+    u, v = torch.randn(D, generator=g), torch.randn(D, generator=g)
+    router = torch.randn(5, D, generator=g) * 0.02
+    router[0] += u
+    router[1] += 0.9 * u
+    router[3] += v
+    router[4] += 0.9 * v
+    w["router"] = quantize(router, 8, 64).to(device)
+    cfg = MoePrefillConfig(16, GemmConfig(16, 32, 64), GemmConfig(16, 64, 64))
+    for t, mix in ((70, 1.0), (5, 1.0), (45, 0.5)):
+        z = torch.randn(t, D, generator=g) * 0.2
+        pick = torch.rand(t, 1, generator=g) < mix
+        x = (z + torch.where(pick, u, v) * 1.5).bfloat16()
+        _, ids = ref_route(ref_qlinear(x, w["router"].to("cpu")), 2)
+        hot = {0, 1} if mix == 1.0 else {0, 1, 3, 4}
+        assert set(ids.flatten().tolist()) == hot, "the test router must be skewed"
+        y = moe_prefill(x.to(device), *w.values(), 2, None, config=cfg)
+        w_cpu = {n: (v_.to("cpu") if v_ is not None else None) for n, v_ in w.items()}
+        assert rel_err(y, ref_moe(x, *w_cpu.values(), 2)) < 2e-2, t
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
     # Kernels are built at import; tests/conftest.py normally sets this first.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from lily.model.norm import rms_norm  # noqa: E402
 from lily.ops.qgemm import GemmConfig, gemm_config, qgemm  # noqa: E402
 from lily.ops.qgemv import GemvConfig, gemv_config, qgemv  # noqa: E402
 from lily.ops.ref_linear import ref_qlinear  # noqa: E402
@@ -114,13 +115,49 @@ def test_qgemv_split_k_replays(device):
         assert rel_err(y, ref_qlinear(xs[i], w)) < 2e-5
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "rows,dtype,cfg",
+    [
+        (0, torch.bfloat16, None),
+        (0, torch.float32, GemvConfig(8, 2, 3, 4)),
+        (0, torch.bfloat16, GemvConfig(16, 2, 1, 2)),
+        (3, torch.bfloat16, None),
+        (2, torch.float32, GemvConfig(8, 4, 2, 4)),
+    ],
+    ids=["bf16-table", "fp32-split3", "bf16-k-loop", "bf16-rows3", "fp32-rows2-split2"],
+)
+def test_qgemv_norm_prologue(poison, device, rows, dtype, cfg):
+    """``norm_weight``: the GEMV of rmsnorm(x) * w_norm (the model's norm, unfused, as the
+    reference), with split-K (every program computes the statistics), a K loop of 5 steps
+    (statistics before the first step only), several rows and a residual."""
+    gen = torch.Generator().manual_seed(40 + rows)
+    w = _weight(40, 320, 4, 32, device, gen)
+    shape = (320,) if rows == 0 else (rows, 320)
+    x = (3.0 * torch.randn(shape, generator=gen) + 0.5).to(device, dtype)
+    nw = (1.0 + 0.2 * torch.randn(320, generator=gen)).to(device, torch.bfloat16)
+    res = torch.randn((40,) if rows == 0 else (rows, 40), generator=gen).to(device, dtype)
+    eps = 1e-5
+    h = rms_norm(x, nw, eps)
+    y = qgemv(x, w, norm_weight=nw, eps=eps, residual=res, out_dtype=torch.float32, config=cfg)
+    # fp32 all through: only summation order differs (bf16 x: the normed x is rounded to
+    # bf16 as rms_norm rounds it; a last-ulp difference of rstd may flip one rounding).
+    assert rel_err(y, ref_qlinear(h, w, res)) < (2e-5 if dtype == torch.float32 else 5e-4)
+    y_plain = qgemv(x, w, residual=res, out_dtype=torch.float32, config=cfg)
+    assert rel_err(y_plain, ref_qlinear(h, w, res)) > 1e-2, "the norm must change the result"
+    assert qgemv(x, w, norm_weight=nw, config=cfg).dtype == dtype
+
+
 def test_gemv_config_shapes():
-    """The tile table gives valid tiles and enough programs for the model's shapes."""
+    """The tile table gives valid tiles and enough programs for the model's shapes (the
+    fused decode projections included: DeltaNet qkv|z|b|a, attention q|k|v)."""
     for n, k in [(8192, 2048), (4096, 2048), (32, 2048), (2048, 4096), (512, 2048),
-                 (248320, 2048), (256, 2048), (96, 192)]:  # fmt: skip
+                 (248320, 2048), (256, 2048), (96, 192), (12352, 2048), (9216, 2048)]:  # fmt: skip
         cfg = gemv_config(n, k, 1, 4, 64)
         programs = -(-n // cfg.block_n) * cfg.split_k
         assert programs >= min(256, n // 8), (n, k, cfg)
+        words = cfg.block_n * cfg.block_g * 8
+        assert words <= 4096, (n, k, cfg)  # 32 words a thread at most
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -189,6 +226,10 @@ def test_bad_inputs_give_clear_errors():
         qgemm(torch.randn(4, 64), bad)
     with pytest.raises(ValueError, match="3-bit"):
         qgemv(torch.randn(64), QuantWeight(w.qweight, w.scales, w.biases, 3, 32))
+    with pytest.raises(ValueError, match="norm_weight"):
+        qgemv(torch.randn(64).bfloat16(), w, norm_weight=torch.ones(63))
+    with pytest.raises(TypeError, match="norm_weight"):
+        qgemv(torch.randn(64).bfloat16(), w, norm_weight=torch.ones(64, dtype=torch.int32))
     with pytest.raises(ValueError, match="power of two"):
         GemvConfig(12, 1)
     with pytest.raises(ValueError, match=">= 16"):
