@@ -124,7 +124,8 @@ class SamplingFields(_Lenient):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    # NOTE: logits are divided by it: below 0.01 they overflow to inf and sampling fails.
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=10.0)
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None

@@ -10,6 +10,7 @@ schema into the handlers and the engine.
 from __future__ import annotations
 
 import json
+import os
 import socket
 
 import httpx
@@ -22,6 +23,8 @@ from tests.server.schema_fuzz import request_bodies
 
 MSGS = [{"role": "user", "content": "hi"}]
 CHAT = "/v1/chat/completions"
+# CI runs a fixed 100 per route; set more for a deeper, randomized run.
+FUZZ_EXAMPLES = int(os.environ.get("LILY_FUZZ_EXAMPLES", "100"))
 
 
 def post_raw(c: httpx.Client, body: bytes, path: str = CHAT, **headers: str) -> httpx.Response:
@@ -74,6 +77,7 @@ def test_bodies_that_are_not_strict_json_are_400(guarded, raw, says):
         ({"stop_token_ids": list(range(1000))}, "stop_token_ids"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"top_k": -5}, "top_k"),
+        ({"repetition_penalty": 2.3e-116}, "repetition_penalty"),  # found by the fuzz
         ({"seed": 2**80}, "seed"),
         ({"logprobs": True, "top_logprobs": 10**6}, "top_logprobs"),
         ({"messages": []}, "messages"),
@@ -212,7 +216,7 @@ def test_schema_fuzz_never_5xx(server, openapi, path):
     name = "ChatCompletionRequest" if path == CHAT else "CompletionRequest"
     seen = {"ok": 0, "4xx": 0}
 
-    @settings(max_examples=100, deadline=None, derandomize=True,
+    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=FUZZ_EXAMPLES == 100,
               suppress_health_check=list(HealthCheck))  # fmt: skip
     @given(body=request_bodies(openapi, name))
     def run(body):

@@ -98,7 +98,10 @@ def test_keepalive_comments_while_queued(slow):
     body = {"messages": MSGS, "max_tokens": 30, "ignore_eos": True, "stream": True}
     first = slow.send(slow.build_request("POST", "/v1/chat/completions", json=body), stream=True)
     try:
-        next(first.iter_lines())
+        # NOTE: keep the iterator: a dropped one closes the connection, which (rightly)
+        # cancels the first request, and the second would no longer wait.
+        lines = first.iter_lines()
+        next(lines)
         with slow.stream("POST", "/v1/chat/completions", json={**body, "max_tokens": 1}) as r:
             raw = r.read().decode()
     finally:
