@@ -1,8 +1,10 @@
 """Check and time the quantized linear and MoE kernels (lily.ops.q*, moe_*) on one GPU.
 
-Run from the repository root on the GPU machine (about 3-4 minutes, most of it compiling):
+Run from the repository root on the GPU machine (about 4-5 minutes, most of it compiling;
+``--quick`` skips the tile sweeps: under 3 minutes):
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 bench/gpu_linear_kernels.py --out $OUT/linear.json
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 bench/gpu_linear_kernels.py --quick \
+        --out $OUT/linear.json
 
 Without a GPU, ``--compile-only`` compiles the same configurations for sm_90 and prints
 registers, spilled stack bytes, shared memory and warpgroup MMA count per kernel.
@@ -13,11 +15,18 @@ reference in lily.ops.ref_linear on fresh random inputs and timed:
 1. qgemv on the projection shapes: CUDA graphs of back-to-back calls over enough weight
    copies to overflow L2 (what a decode step sees), a few tiles per shape; GB/s of the
    bytes that must be read against the copy rate; rows T = 2, 4, 8 against qgemm;
-2. qgemm at T = 512, 2048, 8192: TFLOP/s against the matmul rate and the roofline floor,
-   next to torch's bf16 matmul on the dequantized weight;
-3. moe_decode (router to residual, graph of 32 tokens): GB/s of the experts touched;
-4. moe_prefill at T = 512, 2048, 8192, uniform and skewed routing (4 hot experts), the
-   token tile swept: TFLOP/s and the expert-load histogram.
+   ``fused``: the decode projections concatenated at load (DeltaNet qkv|z|b|a, attention
+   q|k|v) and the lm_head with the RMSNorm prologue, against torch rms_norm + qgemv;
+2. qgemm at T = 256, 512, 2048, 8192: TFLOP/s against the matmul rate and the roofline
+   floor, next to torch's bf16 matmul on the dequantized weight; small tiles at T <= 512;
+3. moe_decode (norm and router to residual, graph of 32 tokens): GB/s of the experts
+   touched, tile variants, fused norm against rms_norm + moe_decode, device time per
+   launch; ``chain``: a decode layer's linear part (fused-norm projection GEMV, out_proj
+   with residual, fused-norm MoE) replayed over 8 layers of distinct weights;
+4. moe_prefill at T = 256, 512, 2048, 8192, uniform and skewed routing (4 hot experts), the
+   token tile swept: TFLOP/s, the expert-load histogram, graph against eager time (host
+   overhead) and device time per launch at 256 and 4096 tokens; a stress row: chunks of
+   4096 with NaN tokens and skew in a row (the 32K prefill's illegal memory access).
 ``do_bench`` medians flush L2 between runs. A configuration that fails is a row with its
 error. Prints compact tables (again all together at the end); the JSON holds every number.
 """
@@ -37,6 +46,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from lily.model.norm import rms_norm
 from lily.ops.moe_decode import MoeDecodeConfig, moe_decode
 from lily.ops.moe_prefill import MoePrefillConfig, moe_prefill, moe_prefill_config
 from lily.ops.qgemm import GemmConfig, gemm_config, qgemm
@@ -47,28 +57,45 @@ from lily.quant import QuantWeight, dequantize, quantize
 DEV = "cuda"
 BF16 = torch.bfloat16
 D, E, I_E, I_S, TOP_K = 2048, 256, 512, 512, 8
+EPS = 1e-6
 L2_BYTES = 60 << 20
 GEMV_SHAPES = [  # (name, N, K, bits)
     ("in_proj_qkv/q_proj", 8192, 2048, 4), ("in_proj_z", 4096, 2048, 4),
     ("o_proj/out_proj", 2048, 4096, 4), ("k/v_proj", 512, 2048, 4),
     ("in_proj_a/b", 32, 2048, 4), ("lm_head", 248320, 2048, 4), ("router", 256, 2048, 8),
 ]  # fmt: skip
+# Kept in --quick: the table before this change (split-K 2 on 2048x4096), for comparison.
+GEMV_OLD = {"o_proj/out_proj": [GemvConfig(8, 32, 2, 4)]}
 GEMV_SWEEP = {  # extra tiles tried on the shapes that carry the bytes
     "in_proj_qkv/q_proj": [GemvConfig(8, 32), GemvConfig(32, 8), GemvConfig(16, 16, 1, 8),
-                           GemvConfig(32, 32, 1, 8), GemvConfig(8, 32, 2, 4)],
-    "o_proj/out_proj": [GemvConfig(16, 32), GemvConfig(4, 64), GemvConfig(8, 32, 2, 4),
-                        GemvConfig(16, 16, 1, 8)],
+                           GemvConfig(32, 32, 1, 8)],
+    "o_proj/out_proj": [GemvConfig(8, 64), GemvConfig(16, 32), GemvConfig(2, 128),
+                        GemvConfig(8, 64, 1, 8)],
     "lm_head": [GemvConfig(32, 8), GemvConfig(64, 16, 1, 8), GemvConfig(16, 32)],
 }  # fmt: skip
-GEMM_SHAPES = [("in_proj_qkv", 8192, 2048), ("o_proj", 2048, 4096), ("in_proj_z", 4096, 2048)]
-GEMM_T = (512, 2048, 8192)
+# Decode projections concatenated at load (one GEMV each), and the lm_head: norm fused.
+FUSED_SHAPES = [("dn qkv|z|b|a", 8192 + 4096 + 32 + 32, 2048), ("attn q|k|v", 8192 + 512 + 512,
+                2048), ("lm_head", 248320, 2048)]  # fmt: skip
+GEMM_SHAPES = [("in_proj_qkv", 8192, 2048), ("o_proj", 2048, 4096), ("in_proj_z", 4096, 2048),
+               ("dn qkv|z|b|a", 12352, 2048), ("in_proj_a/b", 32, 2048)]  # fmt: skip
+GEMM_T = (256, 512, 2048, 8192)
 GEMM_SWEEP = [GemmConfig(128, 128, 64, 8, 3), GemmConfig(128, 256, 64, 8, 3),
               GemmConfig(128, 128, 128, 8, 3), GemmConfig(64, 128, 64, 4, 4)]  # fmt: skip
-PREFILL_T = (512, 2048, 8192)
+# Small-T tiles (more programs) tried at T <= 512 even in --quick: the table gives 128x128.
+GEMM_SMALL = [GemmConfig(64, 64, 64, 4, 3), GemmConfig(32, 64, 64, 4, 4),
+              GemmConfig(64, 128, 64, 8, 3)]  # fmt: skip
+PREFILL_T = (256, 512, 2048, 8192)
 PREFILL_BM = (16, 32, 64, 128)
 CHECK_T = 512  # prefill lengths checked against the reference on every config
 GEMV_GRAPH_CALLS = 32
 ROWS_SHAPE = (8192, 2048)  # the shape of the few-rows comparison
+DECODE_CFGS = [  # moe_decode variants (None: the table)
+    None, MoeDecodeConfig(down_rows=4), MoeDecodeConfig(down_rows=16, down_warps=8),
+    MoeDecodeConfig(gate_up_rows=16, num_warps=8), MoeDecodeConfig(gate_up_rows=4),
+    MoeDecodeConfig(router_rows=2, shared_rows=4),
+]  # fmt: skip
+CHAIN_LAYERS = 8
+ERR_CHARS = 200  # of a compile error in the --compile-only table
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -104,7 +131,8 @@ def cfg_str(cfg) -> str:
     if isinstance(cfg, GemmConfig):
         return f"m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
     if isinstance(cfg, MoeDecodeConfig):
-        return f"gu[{cfg_str(cfg.gate_up)}] dn[{cfg_str(cfg.down)}]"
+        return (f"r{cfg.router_rows} s{cfg.shared_rows} gu{cfg.gate_up_rows} "
+                f"dn{cfg.down_rows} w{cfg.num_warps}/{cfg.down_warps}")  # fmt: skip
     if isinstance(cfg, MoePrefillConfig):
         return f"m{cfg.block_m} gu[{cfg_str(cfg.gate_up)}] dn[{cfg_str(cfg.down)}]"
     return str(cfg)
@@ -119,6 +147,23 @@ def attempt(rows: list[dict], base: dict, fn) -> None:
         print(f"  failed {base}: {rows[-1]['error']}", flush=True)
 
 
+def kernel_times(fn, reps: int = 5) -> dict[str, float]:
+    """Device time per kernel (us per call, torch.profiler over ``reps`` calls), or {}."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize()
+        times = {e.key: e.self_device_time_total / reps for e in prof.key_averages()}
+        return {k[:48]: round(v, 2) for k, v in times.items() if v > 0}
+    except Exception as e:  # noqa: BLE001 - the breakdown is an extra; never fail for it
+        return {"error": f"{type(e).__name__}: {e}"[:200]}
+
+
 def rand_qweight(shape: tuple[int, ...], bits: int, gen: torch.Generator, gs: int = 64):
     """Random codes and scales with dequantized weights of std ~ 1/sqrt(K)."""
     *lead, n, k = shape
@@ -128,6 +173,10 @@ def rand_qweight(shape: tuple[int, ...], bits: int, gen: torch.Generator, gs: in
     scale = torch.rand(*lead, n, k // gs, generator=gen, device=DEV) + 0.5
     scale = scale * (3.0 / k) ** 0.5 * 2 / levels  # uniform in about [-a, a], std a/sqrt(3)
     return QuantWeight(words, scale.to(BF16), (-scale * levels / 2).to(BF16), bits, gs)
+
+
+def norm_weight(gen: torch.Generator) -> torch.Tensor:
+    return (1.0 + 0.05 * torch.randn(D, generator=gen, device=DEV)).to(BF16)
 
 
 def ceilings() -> dict:
@@ -144,9 +193,8 @@ def ceilings() -> dict:
 # ------------------------------------------------------------------------------ GEMV
 
 
-def gemv_point(cfg, ws, xs, ref, nbytes: float, floor_us: float) -> dict:
-    err = rel(qgemv(xs[0], ws[0], config=cfg), ref)
-    calls = [partial(qgemv, x, w, config=cfg) for w, x in zip(ws, xs, strict=True)]
+def gemv_point(calls: list, check, ref, nbytes: float, floor_us: float) -> dict:
+    err = rel(check(), ref)
     us = graph_ms(calls) * 1e3
     return {"rel_err": err, "us": us, "GBps": nbytes / us / 1e3, "of_copy": floor_us / us,
             "floor_us": floor_us}  # fmt: skip
@@ -158,21 +206,30 @@ def rows_point(fn, ref, nbytes: float) -> dict:
     return {"rel_err": err, "us": us, "GBps": nbytes / us / 1e3}
 
 
+def weight_copies(n: int, k: int, bits: int, gen: torch.Generator) -> list[QuantWeight]:
+    """Enough distinct weights that a graph of calls over them streams from HBM, not L2."""
+    w0 = rand_qweight((n, k), bits, gen)
+    copies = max(1, min(GEMV_GRAPH_CALLS, math.ceil(3 * L2_BYTES / w0.nbytes())))
+    return [w0] + [rand_qweight((n, k), bits, gen) for _ in range(copies - 1)]
+
+
 def gemv_rows(ceil: dict, gen: torch.Generator) -> list[dict]:
     rows: list[dict] = []
     for name, n, k, bits in GEMV_SHAPES:
-        w0 = rand_qweight((n, k), bits, gen)
-        copies = max(1, min(GEMV_GRAPH_CALLS, math.ceil(3 * L2_BYTES / w0.nbytes())))
-        ws = [w0] + [rand_qweight((n, k), bits, gen) for _ in range(copies - 1)]
+        ws = weight_copies(n, k, bits, gen)
         xs = [torch.randn(k, generator=gen, device=DEV).to(BF16) for _ in ws]
-        ref = ref_qlinear(xs[0], w0)
-        nbytes = w0.nbytes() + 2 * k + 2 * n
+        ref = ref_qlinear(xs[0], ws[0])
+        nbytes = ws[0].nbytes() + 2 * k + 2 * n
         floor_us = nbytes / ceil["copy_GBps"] / 1e3
-        for cfg in [None] + GEMV_SWEEP.get(name, []):
+        for cfg in [None] + GEMV_OLD.get(name, []) + GEMV_SWEEP.get(name, []):
             used = cfg or gemv_config(n, k, 1, bits, 64)
+            old = cfg in GEMV_OLD.get(name, [])
+            label = "table " if cfg is None else "old table " if old else ""
             base = {"op": "qgemv", "shape": name, "N": n, "K": k, "bits": bits, "T": 1,
-                    "config": "table " * (cfg is None) + cfg_str(used)}  # fmt: skip
-            attempt(rows, base, partial(gemv_point, cfg, ws, xs, ref, nbytes, floor_us))
+                    "config": label + cfg_str(used)}  # fmt: skip
+            calls = [partial(qgemv, x, w, config=cfg) for w, x in zip(ws, xs, strict=True)]
+            check = partial(qgemv, xs[0], ws[0], config=cfg)
+            attempt(rows, base, partial(gemv_point, calls, check, ref, nbytes, floor_us))
     # Few rows: the FMA GEMV per row against the tensor-core GEMM with 16-row tiles.
     w0 = rand_qweight(ROWS_SHAPE, 4, gen)
     for t in (2, 4, 8):
@@ -182,6 +239,30 @@ def gemv_rows(ceil: dict, gen: torch.Generator) -> list[dict]:
             base = {"op": op, "shape": "in_proj_qkv rows", "N": ROWS_SHAPE[0],
                     "K": ROWS_SHAPE[1], "bits": 4, "T": t, "config": "table"}  # fmt: skip
             attempt(rows, base, partial(rows_point, fn, ref, w0.nbytes()))
+    return rows
+
+
+def fused_rows(ceil: dict, gen: torch.Generator) -> list[dict]:
+    """GEMV with the RMSNorm prologue against torch rms_norm (7 ops) + GEMV, on the decode
+    projections as the runner concatenates them, and the lm_head."""
+    rows: list[dict] = []
+    nw = norm_weight(gen)
+    for name, n, k in FUSED_SHAPES:
+        ws = weight_copies(n, k, 4, gen)
+        xs = [(2 * torch.randn(k, generator=gen, device=DEV)).to(BF16) for _ in ws]
+        ref = ref_qlinear(rms_norm(xs[0], nw, EPS), ws[0])
+        nbytes = ws[0].nbytes() + 2 * k + 2 * n
+        floor_us = nbytes / ceil["copy_GBps"] / 1e3
+        variants = {
+            "fused norm": lambda x, w: qgemv(x, w, norm_weight=nw, eps=EPS),
+            "rms_norm + qgemv": lambda x, w: qgemv(rms_norm(x, nw, EPS), w),
+        }
+        for label, fn in variants.items():
+            base = {"op": "qgemv+norm", "shape": name, "N": n, "K": k, "bits": 4, "T": 1,
+                    "config": f"{label} {cfg_str(gemv_config(n, k, 1, 4, 64))}"}  # fmt: skip
+            calls = [partial(fn, x, w) for w, x in zip(ws, xs, strict=True)]
+            check = partial(fn, xs[0], ws[0])
+            attempt(rows, base, partial(gemv_point, calls, check, ref, nbytes, floor_us))
     return rows
 
 
@@ -212,7 +293,8 @@ def gemm_rows(ceil: dict, gen: torch.Generator) -> list[dict]:
             nbytes = w.nbytes() + 2 * t * (n + k)
             floor_us = max(flop / ceil["bf16_matmul_TFLOPs"] / 1e6,
                            nbytes / ceil["copy_GBps"] / 1e3)  # fmt: skip
-            for cfg in [None] + (GEMM_SWEEP if t == 2048 else []):
+            extra = GEMM_SWEEP if t == 2048 else GEMM_SMALL if t <= 512 else []
+            for cfg in [None] + extra:
                 used = cfg or gemm_config(t, n, k, 64)
                 base = {"op": "qgemm", "shape": name, "N": n, "K": k, "T": t,
                         "config": "table " * (cfg is None) + cfg_str(used)}  # fmt: skip
@@ -251,51 +333,86 @@ def fixed_bytes(w: dict) -> int:
     return sum(w[p].nbytes() for p in parts)
 
 
-def decode_point(cfg, args, xs, rs, ref, nbytes: float, floor_us: float) -> dict:
-    err = rel(moe_decode(xs[0], *args, TOP_K, rs[0], config=cfg), ref)
-    calls = [partial(moe_decode, x, *args, TOP_K, r, config=cfg)
-             for x, r in zip(xs, rs, strict=True)]  # fmt: skip
+def decode_point(calls: list, check, ref, nbytes: float, floor_us: float) -> dict:
+    err = rel(check(), ref)
     us = graph_ms(calls) * 1e3
     return {"rel_err": err, "us": us, "GBps": nbytes / us / 1e3, "of_copy": floor_us / us,
-            "floor_us": floor_us}  # fmt: skip
+            "floor_us": floor_us, "kernels_us": kernel_times(calls[0])}  # fmt: skip
 
 
-def decode_replay(args, xs, rs) -> dict:
+def decode_replay(args, xs, rs, nw) -> dict:
     """Captured once, replayed on a new token written into the captured input."""
     x, r = xs[1].clone(), rs[1].clone()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        moe_decode(x, *args, TOP_K, r)
+        moe_decode(x, *args, TOP_K, r, norm_weight=nw)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = moe_decode(x, *args, TOP_K, r)
+        out = moe_decode(x, *args, TOP_K, r, norm_weight=nw)
     x.copy_(xs[2])
     r.copy_(rs[2])
     graph.replay()
     torch.cuda.synchronize()
-    return {"rel_err": rel(out, ref_moe(xs[2], *args, TOP_K, rs[2]))}
+    return {"rel_err": rel(out, ref_moe(rms_norm(xs[2], nw, EPS), *args, TOP_K, rs[2]))}
 
 
 def moe_decode_rows(ceil: dict, w: dict, gen: torch.Generator) -> list[dict]:
     rows: list[dict] = []
     xs = [torch.randn(D, generator=gen, device=DEV).to(BF16) for _ in range(GEMV_GRAPH_CALLS)]
     rs = [torch.randn(D, generator=gen, device=DEV).to(BF16) for _ in xs]
+    nw = norm_weight(gen)
     args = list(w.values())
     ref = ref_moe(xs[0], *args, TOP_K, rs[0])
     # Every token touches the router, the shared expert and TOP_K distinct experts.
     nbytes = fixed_bytes(w) + TOP_K * expert_bytes(w) + 6 * D
     floor_us = nbytes / ceil["copy_GBps"] / 1e3
-    cfgs = [None, MoeDecodeConfig(GemvConfig(8, 32), GemvConfig(16, 8)),
-            MoeDecodeConfig(GemvConfig(16, 16, 1, 8), GemvConfig(4, 8, 1, 2))]  # fmt: skip
-    for cfg in cfgs:
-        base = {"op": "moe_decode", "shape": "E256 I512 top8 +shared", "T": 1,
+    shape = "E256 I512 top8 +shared"
+    for cfg in DECODE_CFGS:
+        base = {"op": "moe_decode", "shape": shape, "T": 1,
                 "config": "table " * (cfg is None) + cfg_str(cfg or MoeDecodeConfig())}  # fmt: skip
-        attempt(rows, base, partial(decode_point, cfg, args, xs, rs, ref, nbytes, floor_us))
+        calls = [partial(moe_decode, x, *args, TOP_K, r, config=cfg)
+                 for x, r in zip(xs, rs, strict=True)]  # fmt: skip
+        check = partial(moe_decode, xs[0], *args, TOP_K, rs[0], config=cfg)
+        attempt(rows, base, partial(decode_point, calls, check, ref, nbytes, floor_us))
+    # The layer's post-attention norm: fused into the MoE launches, or torch's 7 ops first.
+    ref_n = ref_moe(rms_norm(xs[0], nw, EPS), *args, TOP_K, xs[0])
+    variants = {
+        "fused norm": lambda x: moe_decode(x, *args, TOP_K, x, norm_weight=nw, eps=EPS),
+        "rms_norm + moe_decode": lambda x: moe_decode(rms_norm(x, nw, EPS), *args, TOP_K, x),
+    }
+    for label, fn in variants.items():
+        base = {"op": "moe_decode+norm", "shape": shape, "T": 1, "config": label}
+        calls = [partial(fn, x) for x in xs]
+        attempt(rows, base, partial(decode_point, calls, partial(fn, xs[0]), ref_n, nbytes,
+                                    floor_us))  # fmt: skip
     base = {"op": "moe_decode", "shape": "graph replay, new token", "T": 1, "config": "table"}
-    attempt(rows, base, partial(decode_replay, args, xs, rs))
+    attempt(rows, base, partial(decode_replay, args, xs, rs, nw))
     return rows
+
+
+def chain_point(w: dict, gen: torch.Generator) -> dict:
+    """A decode layer's linear part over CHAIN_LAYERS layers of distinct projection weights:
+    fused-norm qkv|z|b|a GEMV, out_proj GEMV with the residual (its input a stand-in slice
+    for the mixer's output), fused-norm MoE. One graph; the mixers are not included."""
+    proj = [rand_qweight((12352, D), 4, gen) for _ in range(CHAIN_LAYERS)]
+    outp = [rand_qweight((D, 4096), 4, gen) for _ in range(CHAIN_LAYERS)]
+    nw = norm_weight(gen)
+    args = list(w.values())
+    x0 = torch.randn(D, generator=gen, device=DEV).to(BF16)
+
+    def layers(x):
+        for p, o in zip(proj, outp, strict=True):
+            y = qgemv(x, p, norm_weight=nw, eps=EPS)
+            x = qgemv(y[8192:12288], o, residual=x)
+            x = moe_decode(x, *args, TOP_K, x, norm_weight=nw, eps=EPS)
+        return x
+
+    us = graph_ms([partial(layers, x0)]) * 1e3 / CHAIN_LAYERS
+    nbytes = proj[0].nbytes() + outp[0].nbytes() + fixed_bytes(w) + TOP_K * expert_bytes(w)
+    return {"us": us, "launches": 5, "GBps": nbytes / us / 1e3,
+            "kernels_us": kernel_times(partial(layers, x0))}  # fmt: skip
 
 
 def skewed_router(gen: torch.Generator, hot: int = 4) -> tuple[QuantWeight, torch.Tensor]:
@@ -307,12 +424,16 @@ def skewed_router(gen: torch.Generator, hot: int = 4) -> tuple[QuantWeight, torc
     return quantize(r, 8, 64), u
 
 
-def prefill_point(cfg, atomic, x, a, res, ref, t, flop, floor_us) -> dict:
-    out = moe_prefill(x, *a, TOP_K, res, atomic=atomic, config=cfg)
-    err = rel(out, ref) if ref is not None else None
-    us = bench_ms(partial(moe_prefill, x, *a, TOP_K, res, atomic=atomic, config=cfg)) * 1e3
-    return {"rel_err": err, "us": us, "TFLOPs": flop / us / 1e6, "floor_us": floor_us,
-            "of_floor": floor_us / us, "tok_per_s_layer": t / us * 1e6}  # fmt: skip
+def prefill_point(cfg, atomic, x, a, res, ref, t, flop, floor_us, extra: bool) -> dict:
+    fn = partial(moe_prefill, x, *a, TOP_K, res, atomic=atomic, config=cfg)
+    err = rel(fn(), ref) if ref is not None else None
+    us = bench_ms(fn) * 1e3
+    row = {"rel_err": err, "us": us, "TFLOPs": flop / us / 1e6, "floor_us": floor_us,
+           "of_floor": floor_us / us, "tok_per_s_layer": t / us * 1e6}  # fmt: skip
+    if extra:  # GPU time without the host (graph) and the device time of each launch
+        row["graph_us"] = graph_ms([fn]) * 1e3
+        row["kernels_us"] = kernel_times(fn)
+    return row
 
 
 def moe_prefill_rows(ceil: dict, w: dict, gen: torch.Generator) -> list[dict]:
@@ -348,12 +469,37 @@ def moe_prefill_rows(ceil: dict, w: dict, gen: torch.Generator) -> list[dict]:
                 name = ("table " if bm is None else "") + ("atomic " if atomic else "")
                 base = {"op": "moe_prefill", "shape": routing, "T": t, "load": load,
                         "config": name + cfg_str(cfg)}  # fmt: skip
-                point = partial(prefill_point, cfg, atomic, x, a, res, ref, t, flop, floor_us)
+                extra = bm is None and not atomic and routing == "uniform" and t <= 512
+                point = partial(prefill_point, cfg, atomic, x, a, res, ref, t, flop, floor_us,
+                                extra)  # fmt: skip
                 attempt(rows, base, point)
+    base = {"op": "moe_prefill", "shape": "chunks 4096/4096/1000, NaN tokens, skewed", "T": 4096,
+            "config": "table"}  # fmt: skip
+    attempt(rows, base, partial(prefill_stress, w, gen))
     return rows
 
 
-# ------------------------------------------------------------------------------ compile
+def prefill_stress(w: dict, gen: torch.Generator) -> dict:
+    """Chunks in a row as a long prefill runs them, skewed routing, a few NaN/inf tokens:
+    no error, NaN rows NaN, the other rows finite and (on a sample) equal to the reference."""
+    a = list(w.values())
+    a[0], u = skewed_router(gen, hot=2)
+    t0 = time.time()
+    worst = 0.0
+    for t in (4096, 4096, 1000):
+        x = (torch.randn(t, D, generator=gen, device=DEV) + 2.0 * u).to(BF16)
+        bad = torch.tensor([0, 127, 128, t - 1], device=DEV)
+        x[bad[:3]] = float("nan")
+        x[bad[3], 7] = float("inf")
+        y = moe_prefill(x, *a, TOP_K, x)
+        torch.cuda.synchronize()
+        good = torch.ones(t, dtype=torch.bool, device=DEV)
+        good[bad] = False
+        if not torch.isfinite(y[good]).all() or not torch.isnan(y[bad[:3]]).all():
+            raise RuntimeError(f"T={t}: NaN rows leaked into other tokens or vanished")
+        sample = good.nonzero()[:64, 0]
+        worst = max(worst, rel(y[sample], ref_moe(x[sample], *a, TOP_K, x[sample])))
+    return {"rel_err": worst, "us": (time.time() - t0) * 1e6}
 
 
 def zero_qweight(shape: tuple[int, ...], bits: int, gs: int = 64) -> QuantWeight:
@@ -385,18 +531,25 @@ def compile_report() -> list[dict]:
     JITFunction.__getitem__ = lambda fn, grid: lambda *a, **kw: launches.append((fn, a, kw))
     try:
         x = torch.zeros(2048, dtype=BF16)
+        nw = torch.ones(2048, dtype=BF16)
         for name, n, k, bits in GEMV_SHAPES:
             n_model = n
             n = min(n, 65536)  # the lm_head's table tile is the same from 65536 rows
-            for cfg in [None] + GEMV_SWEEP.get(name, []):
+            for cfg in [None] + GEMV_OLD.get(name, []) + GEMV_SWEEP.get(name, []):
                 cfg = cfg or gemv_config(n_model, k, 1, bits, 64)
                 launches.append(f"{name} {cfg_str(cfg)}")
                 qgemv(torch.zeros(k, dtype=BF16), zero_qweight((n, k), bits), config=cfg)
+        for name, n, k in FUSED_SHAPES:
+            cfg = gemv_config(n, k, 1, 4, 64)
+            launches.append(f"{name} +norm {cfg_str(cfg)}")
+            qgemv(x, zero_qweight((min(n, 65536), k), 4), norm_weight=nw, config=cfg)
+        launches.append("out_proj +residual")
+        qgemv(torch.zeros(4096, dtype=BF16), zero_qweight((D, 4096), 4), residual=x)
         for t in (2, 4, 8):
             launches.append(f"rows T={t}")
             qgemv(torch.zeros(t, ROWS_SHAPE[1], dtype=BF16), zero_qweight(ROWS_SHAPE, 4))
         for name, n, k in GEMM_SHAPES:
-            for cfg in [gemm_config(t, n, k, 64) for t in GEMM_T] + GEMM_SWEEP:
+            for cfg in [gemm_config(t, n, k, 64) for t in GEMM_T] + GEMM_SWEEP + GEMM_SMALL:
                 launches.append(f"{name} {cfg_str(cfg)}")
                 qgemm(torch.zeros(cfg.block_m, k, dtype=BF16), zero_qweight((n, k), 4), config=cfg)
         w = {"router": zero_qweight((E, D), 8), "gate": zero_qweight((E, I_E, D), 4),
@@ -405,10 +558,11 @@ def compile_report() -> list[dict]:
              "shared_down": zero_qweight((D, I_S), 4),
              "shared_expert_gate": zero_qweight((1, D), 8)}  # fmt: skip
         args = list(w.values())
-        for cfg in [None, MoeDecodeConfig(GemvConfig(8, 32), GemvConfig(16, 8)),
-                    MoeDecodeConfig(GemvConfig(16, 16, 1, 8), GemvConfig(4, 8, 1, 2))]:  # fmt: skip
-            launches.append(f"moe_decode {cfg_str(cfg or MoeDecodeConfig())}")
-            moe_decode(x, *args, TOP_K, x, config=cfg)
+        for cfg in DECODE_CFGS:
+            for norm in (None, nw):
+                label = "+norm " * (norm is not None) + cfg_str(cfg or MoeDecodeConfig())
+                launches.append(f"moe_decode {label}")
+                moe_decode(x, *args, TOP_K, x, norm_weight=norm, config=cfg)
         for t in PREFILL_T:
             for bm in (None, *PREFILL_BM):
                 cfg = moe_prefill_config(t if bm is None else bm * E // TOP_K, TOP_K, E)
@@ -461,7 +615,7 @@ def compile_report() -> list[dict]:
             row |= {"regs": int(m.group(1)), "stack": int(m.group(2)),
                     "smem": c.metadata.shared, "wgmma": sass.count("HGMMA")}  # fmt: skip
         except Exception as e:  # noqa: BLE001 - a config that does not compile is data
-            row["error"] = f"{type(e).__name__}: {e}"[:200]
+            row["error"] = f"{type(e).__name__}: {e}"[:ERR_CHARS]
         rows.append(row)
     return rows
 
@@ -489,7 +643,7 @@ def table(rows: list[dict], cols: list[str]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="JSON file to write")
-    ap.add_argument("--only", default="gemv,gemm,moe_decode,moe_prefill")
+    ap.add_argument("--only", default="gemv,fused,gemm,moe_decode,moe_prefill")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="table tiles only, no sweeps")
     ap.add_argument(
@@ -499,8 +653,9 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.quick:
-        global GEMV_SWEEP, GEMM_SWEEP, PREFILL_BM
+        global GEMV_SWEEP, GEMM_SWEEP, PREFILL_BM, DECODE_CFGS
         GEMV_SWEEP, GEMM_SWEEP, PREFILL_BM = {}, [], ()
+        DECODE_CFGS = DECODE_CFGS[:3]
     if args.compile_only:
         rows = compile_report()
         print(table(rows, ["kernel", "config", "num_warps", "num_stages", "regs", "stack",
@@ -526,6 +681,8 @@ def main() -> None:
     sections = {
         "gemv": (lambda: gemv_rows(ceil, gen), ["op", "shape", "T", "config", "rel_err", "us",
                                                 "GBps", "of_copy"]),
+        "fused": (lambda: fused_rows(ceil, gen), ["op", "shape", "T", "config", "rel_err",
+                                                  "us", "GBps", "of_copy"]),
         "gemm": (lambda: gemm_rows(ceil, gen), ["op", "shape", "T", "config", "rel_err", "us",
                                                 "TFLOPs", "of_floor"]),
     }  # fmt: skip
@@ -541,14 +698,19 @@ def main() -> None:
         w = moe_weights(gen)
         if "moe_decode" in only:
             rows = moe_decode_rows(ceil, w, gen)
+            base = {"op": "decode chain", "shape": "qkv|z|b|a+norm, out_proj+res, moe+norm",
+                    "T": 1, "config": "table, us per layer"}  # fmt: skip
+            attempt(rows, base, partial(chain_point, w, gen))
             result["moe_decode"] = rows
-            cols = ["op", "shape", "T", "config", "rel_err", "us", "GBps", "of_copy"]
+            cols = ["op", "shape", "T", "config", "rel_err", "us", "GBps", "of_copy",
+                    "kernels_us"]  # fmt: skip
             tables.append(f"== moe_decode ({time.time() - t0:.0f}s)\n" + table(rows, cols))
             print(tables[-1], flush=True)
         if "moe_prefill" in only:
             rows = moe_prefill_rows(ceil, w, gen)
             result["moe_prefill"] = rows
-            cols = ["op", "shape", "T", "config", "rel_err", "us", "TFLOPs", "of_floor", "load"]
+            cols = ["op", "shape", "T", "config", "rel_err", "us", "graph_us", "TFLOPs",
+                    "of_floor", "load", "kernels_us"]  # fmt: skip
             tables.append(f"== moe_prefill ({time.time() - t0:.0f}s)\n" + table(rows, cols))
             print(tables[-1], flush=True)
     result["seconds"] = time.time() - t0

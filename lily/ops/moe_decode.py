@@ -45,7 +45,6 @@ from lily.ops.qgemv import (
     norm_meta,
     norm_x,
     pow2,
-    row_rstd,
 )
 from lily.quant import QuantWeight
 
@@ -65,32 +64,27 @@ def topk_rows(b_l, E, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):
     Returns (ids (R, BLOCK_K) int32, weights (R, BLOCK_K) fp32): the k largest in descending
     order (ties: lowest index first) and their renormalised softmax weights
     ``exp(l_j - l_max) / sum_top-k exp(l_i - l_max)`` (the full softmax's denominator
-    cancels in the renormalisation). Entries k..BLOCK_K-1 are 0.
-    NOTE: one 64-bit max per pick: key = (order-preserving logit bits + 2^31) << 16 | (BLOCK_E
-    - 1 - index) is >= 0 for every real logit, NaN included; taken and padding columns are
-    negative, so every pick is a real, distinct column < E whatever the values.
+    cancels in the renormalisation); entries k..BLOCK_K-1 are 0.
+    NOTE: the keys are 64-bit integers, (order-preserving logit bits + 2^31) << 16 |
+    (BLOCK_E - 1 - index): distinct, >= 0 for every real logit, NaN included, and negative
+    for padding, so every pick is a real, distinct column < E whatever the values. The
+    selection is Triton's bitonic top-k (5 barriers at BLOCK_E = 256 on 4 warps, where k
+    rounds of argmax took 29).
     """
-    R: tl.constexpr = b_l.shape[0]
     BLOCK_E: tl.constexpr = b_l.shape[1]
     o_e = tl.arange(0, BLOCK_E)
     o_k = tl.arange(0, BLOCK_K)
     # NOTE: -2**31 is an int32 literal (2**31 would be typed uint32).
     u = _flip(b_l.to(tl.int32, bitcast=True)).to(tl.int64) - (-2147483648)
     key = (u << 16) | (o_e ^ (BLOCK_E - 1)).to(tl.int64)[None, :]  # BLOCK_E - 1 - o_e
-    key = tl.where((o_e < E)[None, :], key, -2)
-    ids = tl.zeros((R, BLOCK_K), tl.int32)
-    vals = tl.zeros((R, BLOCK_K), tl.float32)
-    for i in tl.static_range(TOP_K):
-        m = tl.max(key, axis=1)
-        idx = ((m & 0xFFFF) ^ (BLOCK_E - 1)).to(tl.int32)
-        val = _flip(((m >> 16) + (-2147483648)).to(tl.int32)).to(tl.float32, bitcast=True)
-        ids = tl.where(o_k[None, :] == i, idx[:, None], ids)
-        vals = tl.where(o_k[None, :] == i, val[:, None], vals)
-        key = tl.where(o_e[None, :] == idx[:, None], -1, key)
-        if i == 0:
-            top = val
-    b_p = tl.where((o_k < TOP_K)[None, :], tl.exp(vals - top[:, None]), 0.0)
-    return ids, b_p / tl.sum(b_p, axis=1)[:, None]
+    key = tl.where((o_e < E)[None, :], key, -1)
+    top = tl.topk(key, BLOCK_K, dim=1)  # (R, BLOCK_K), descending
+    ids = ((top & 0xFFFF) ^ (BLOCK_E - 1)).to(tl.int32)
+    vals = _flip(((top >> 16) + (-2147483648)).to(tl.int32)).to(tl.float32, bitcast=True)
+    m_k = (o_k < TOP_K)[None, :]
+    b_max = tl.max(tl.where(m_k, vals, float("-inf")), axis=1)
+    b_p = tl.where(m_k, tl.exp(vals - b_max[:, None]), 0.0)
+    return tl.where(m_k, ids, 0), b_p / tl.sum(b_p, axis=1)[:, None]
 
 
 @triton.jit
@@ -100,21 +94,22 @@ def _sigmoid(x):
 
 @triton.jit
 def _gate_up(
-    p_x, p_nw, eps, D, gw, gs, gb, uw, us, ub, sqn, ssn, o_n, m_n, mask_lo,
+    b_x, b_nw, eps, D, gw, gs, gb, uw, us, ub, sqn, ssn, o_n, m_n, mask_lo,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HAS_NORM: tl.constexpr,
-    NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr, ON_CPU: tl.constexpr,
+    ON_CPU: tl.constexpr,
 ):  # fmt: skip
-    """``silu(x' @ gate[o_n].T) * (x' @ up[o_n].T)`` fp32 (BN,), whole K in one step: both
-    weight tiles and x are loaded before the norm statistics, x' is prepared once."""
+    """``silu(x' @ gate[o_n].T) * (x' @ up[o_n].T)`` fp32 (BN,) for the whole row x (BW, PER)
+    already loaded (with the norm weight b_nw): both weight tiles are loaded before the norm
+    statistics' reductions, and x' is prepared once for both."""
     n_groups = D // GROUP
     b_gw, b_gs, b_gb = load_words(gw, gs, gb, sqn, ssn, o_n, m_n, 0, n_groups, BITS, GROUP,
                                   BLOCK_G)  # fmt: skip
     b_uw, b_us, b_ub = load_words(uw, us, ub, sqn, ssn, o_n, m_n, 0, n_groups, BITS, GROUP,
                                   BLOCK_G)  # fmt: skip
-    b_x, b_nw = load_x(p_x, p_nw, 0, n_groups, True, HAS_NORM, BITS, GROUP, BLOCK_G)
     rstd = 1.0
     if HAS_NORM:
-        rstd = tl.sum(row_rstd(p_x, 0, 1, D, eps, 1, NORM_BLOCK, NORM_STEPS), axis=0)
+        b_xf = b_x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt_rn(tl.sum(tl.sum(b_xf * b_xf, axis=1), axis=0) / D + eps)
     b_xn = norm_x(b_x, b_nw, rstd, HAS_NORM, ON_CPU)
     b_g = gemv_tile(b_gw, b_gs, b_gb, b_xn, mask_lo, BITS, BLOCK_G)
     b_u = gemv_tile(b_uw, b_us, b_ub, b_xn, mask_lo, BITS, BLOCK_G)
@@ -135,33 +130,36 @@ def _moe_router_kernel(
     NORM_STEPS: tl.constexpr, ON_CPU: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
+    # NOTE: each branch names its own tensors: the compiler (unlike the interpreter) wants a
+    # variable assigned in two run-time branches to have one type.
     if pid < R_PROGS:
         # Router rows -> logits[0:E] (fp32).
-        o_n = pid * R_BN + tl.arange(0, R_BN)
-        acc = gemv_block(
-            p_x, 0, 1, D, p_nw, eps, p_rw, p_rs, p_rb, stride_rqn, stride_rsn, o_n, o_n < E,
-            0, D // R_GROUP, mask_lo_r, R_BITS, R_GROUP, R_BG, 1, 1, HAS_NORM, NORM_BLOCK,
+        o_r = pid * R_BN + tl.arange(0, R_BN)
+        b_r = gemv_block(
+            p_x, 0, 1, D, p_nw, eps, p_rw, p_rs, p_rb, stride_rqn, stride_rsn, o_r, o_r < E,
+            0, D // R_GROUP, mask_lo_r, R_BITS, R_GROUP, R_BG, 1, 1, HAS_NORM, True, NORM_BLOCK,
             NORM_STEPS, ON_CPU,
         )  # fmt: skip
-        tl.store(p_logits + o_n[None, :], acc, mask=(o_n < E)[None, :])
+        tl.store(p_logits + o_r[None, :], b_r, mask=(o_r < E)[None, :])
     elif pid == R_PROGS:
         # The shared expert's gate (one row) -> logits[E].
-        o_n = tl.arange(0, 2)
-        acc = gemv_block(
-            p_x, 0, 1, D, p_nw, eps, p_cw, p_cs, p_cb, 0, 0, o_n, o_n < 1, 0, D // C_GROUP,
-            mask_lo_c, C_BITS, C_GROUP, C_BG, 1, 1, HAS_NORM, NORM_BLOCK, NORM_STEPS, ON_CPU,
+        o_c = tl.arange(0, 2)
+        b_c = gemv_block(
+            p_x, 0, 1, D, p_nw, eps, p_cw, p_cs, p_cb, 0, 0, o_c, o_c < 1, 0, D // C_GROUP,
+            mask_lo_c, C_BITS, C_GROUP, C_BG, 1, 1, HAS_NORM, True, NORM_BLOCK, NORM_STEPS,
+            ON_CPU,
         )  # fmt: skip
-        tl.store(p_logits + E + o_n[None, :], acc, mask=(o_n < 1)[None, :])
+        tl.store(p_logits + E + o_c[None, :], b_c, mask=(o_c < 1)[None, :])
     else:
         # Shared expert gate/up rows -> h[TOP_K].
-        o_n = (pid - R_PROGS - 1) * S_BN + tl.arange(0, S_BN)
-        m_n = o_n < I_S
+        o_s = (pid - R_PROGS - 1) * S_BN + tl.arange(0, S_BN)
+        m_s = o_s < I_S
+        b_xs, b_nws = load_x(p_x, p_nw, 0, D // GROUP, True, HAS_NORM, BITS, GROUP, S_BG)
         b_h = _gate_up(
-            p_x, p_nw, eps, D, p_sgw, p_sgs, p_sgb, p_suw, p_sus, p_sub, stride_sqn,
-            stride_ssn, o_n, m_n, mask_lo, BITS, GROUP, S_BG, HAS_NORM, NORM_BLOCK,
-            NORM_STEPS, ON_CPU,
+            b_xs, b_nws, eps, D, p_sgw, p_sgs, p_sgb, p_suw, p_sus, p_sub, stride_sqn,
+            stride_ssn, o_s, m_s, mask_lo, BITS, GROUP, S_BG, HAS_NORM, ON_CPU,
         )  # fmt: skip
-        tl.store(p_h + TOP_K * stride_h + o_n, b_h, mask=m_n)
+        tl.store(p_h + TOP_K * stride_h + o_s, b_h, mask=m_s)
 
 
 @triton.jit
@@ -171,14 +169,15 @@ def _moe_gate_up_kernel(
     E, D, I_E, stride_h, mask_lo, eps,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BITS: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr,
-    HAS_NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr,
-    ON_CPU: tl.constexpr,
+    HAS_NORM: tl.constexpr, ON_CPU: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     slot = pid // N_BLOCKS
     i_n = pid % N_BLOCKS
     o_e = tl.arange(0, BLOCK_E)
     o_k = tl.arange(0, BLOCK_K)
+    # x first: its loads fly while the top-k runs (the weights must wait for the expert id).
+    b_x, b_nw = load_x(p_x, p_nw, 0, D // GROUP, True, HAS_NORM, BITS, GROUP, BLOCK_G)
     b_l = tl.load(p_logits + o_e, mask=o_e < E, other=0.0)
     ids, wts = topk_rows(b_l[None, :], E, TOP_K, BLOCK_K)
     if pid == 0:
@@ -188,10 +187,10 @@ def _moe_gate_up_kernel(
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < I_E
     b_h = _gate_up(
-        p_x, p_nw, eps, D, p_gw + e64 * stride_we, p_gs + e64 * stride_se,
+        b_x, b_nw, eps, D, p_gw + e64 * stride_we, p_gs + e64 * stride_se,
         p_gb + e64 * stride_se, p_uw + e64 * stride_we, p_us + e64 * stride_se,
         p_ub + e64 * stride_se, stride_qn, stride_sn, o_n, m_n, mask_lo, BITS, GROUP, BLOCK_G,
-        HAS_NORM, NORM_BLOCK, NORM_STEPS, ON_CPU,
+        HAS_NORM, ON_CPU,
     )  # fmt: skip
     tl.store(p_h + slot * stride_h + o_n, b_h, mask=m_n)
 
@@ -463,8 +462,7 @@ def moe_decode(
         e, d, i, h.stride(0), mask_lo(gate.bits), float(eps),
         TOP_K=top_k, BLOCK_K=block_k, BLOCK_E=pow2(e), BITS=gate.bits,
         GROUP=gs, BLOCK_G=_whole(d, gs), BLOCK_N=cfg.gate_up_rows, N_BLOCKS=nb,
-        HAS_NORM=has_norm, NORM_BLOCK=norm_block, NORM_STEPS=norm_steps, ON_CPU=on_cpu,
-        num_warps=cfg.num_warps,
+        HAS_NORM=has_norm, ON_CPU=on_cpu, num_warps=cfg.num_warps,
     )  # fmt: skip
 
     # 3. down for all slots, weighted sum, shared gate, residual.

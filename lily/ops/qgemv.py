@@ -208,15 +208,17 @@ def gemv_block(
     p_x, stride_xt, T, K, p_nw, eps,
     p_qw, p_s, p_b, stride_qn, stride_sn, o_n, m_n, g_start, g_end, mask_lo,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, STEPS: tl.constexpr,
-    BT: tl.constexpr, HAS_NORM: tl.constexpr, NORM_BLOCK: tl.constexpr,
-    NORM_STEPS: tl.constexpr, ON_CPU: tl.constexpr,
+    BT: tl.constexpr, HAS_NORM: tl.constexpr, NORM_FROM_X: tl.constexpr,
+    NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr, ON_CPU: tl.constexpr,
 ):  # fmt: skip
     """fp32 (BT, BN) = x'[:T, groups g_start:g_end] @ w[o_n, same groups].T (dequantized),
     with x' = rmsnorm(x) * w_norm when HAS_NORM, else x.
 
     Runs STEPS steps of BLOCK_G groups from g_start; groups at or past g_end are masked.
     The first step's loads (weights, x, norm weight) are issued before the norm statistics'
-    reductions, whose barriers would otherwise hold the weight loads back.
+    reductions, whose barriers would otherwise hold the weight loads back. NORM_FROM_X: the
+    one step's x slice is the whole row (one row, no split-K), so the statistics use it
+    instead of loading the row again.
     NOTE: loop bounds are constexpr because the Triton interpreter (numpy >= 2) cannot take
     a run-time scalar as a ``range`` bound.
     """
@@ -228,7 +230,12 @@ def gemv_block(
     if BT == 1:
         b_x, b_nw = load_x(p_x, p_nw, g_start, g_end, T > 0, HAS_NORM, BITS, GROUP, BLOCK_G)
     if HAS_NORM:
-        rstd = row_rstd(p_x, stride_xt, T, K, eps, BT, NORM_BLOCK, NORM_STEPS)
+        if NORM_FROM_X:
+            b_xf = b_x.to(tl.float32)
+            ms = tl.sum(tl.sum(b_xf * b_xf, axis=1), axis=0) / K
+            rstd = tl.full((BT,), 1.0, tl.float32) / tl.sqrt_rn(ms + eps)
+        else:
+            rstd = row_rstd(p_x, stride_xt, T, K, eps, BT, NORM_BLOCK, NORM_STEPS)
     else:
         rstd = tl.full((BT,), 1.0, tl.float32)
     for i_s in tl.static_range(STEPS):
@@ -258,8 +265,8 @@ def _qgemv_kernel(
     T, N, K, stride_xt, stride_qn, stride_sn, stride_rt, stride_ot, mask_lo, eps,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_G: tl.constexpr, SPLIT_K: tl.constexpr, HAS_RES: tl.constexpr,
-    HAS_NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr,
-    groups_per_split: tl.constexpr, ON_CPU: tl.constexpr,
+    HAS_NORM: tl.constexpr, NORM_FROM_X: tl.constexpr, NORM_BLOCK: tl.constexpr,
+    NORM_STEPS: tl.constexpr, groups_per_split: tl.constexpr, ON_CPU: tl.constexpr,
 ):  # fmt: skip
     i_n = tl.program_id(0)
     i_k = tl.program_id(1)
@@ -273,7 +280,7 @@ def _qgemv_kernel(
         p_x, stride_xt, T, K, p_nw, eps,
         p_qw, p_s, p_b, stride_qn, stride_sn, o_n, m_n, g_start, g_end, mask_lo,
         BITS, GROUP, BLOCK_G, triton.cdiv(groups_per_split, BLOCK_G), BLOCK_T, HAS_NORM,
-        NORM_BLOCK, NORM_STEPS, ON_CPU,
+        NORM_FROM_X, NORM_BLOCK, NORM_STEPS, ON_CPU,
     )  # fmt: skip
     m_tn = m_t[:, None] & m_n[None, :]
     if SPLIT_K > 1:
@@ -453,13 +460,16 @@ def _launch_qgemv(
     res = residual if residual is not None else out
     nw = norm_weight if norm_weight is not None else x
     norm_block, norm_steps = norm_meta(k)
+    # One row whose one K step covers all of K: the statistics reuse the loaded x.
+    from_x = t == 1 and split == 1 and cfg.block_g >= n_groups
     _qgemv_kernel[(row_blocks, split)](
         x, w.qweight, w.scales, w.biases, nw, res, out, part, ticket,
         t, n, k, x.stride(0), w.qweight.stride(0), w.scales.stride(0), res.stride(0),
         out.stride(0), mask_lo(w.bits), float(eps),
         BITS=w.bits, GROUP=w.group_size, BLOCK_T=block_t, BLOCK_N=cfg.block_n,
         BLOCK_G=cfg.block_g, SPLIT_K=split, HAS_RES=residual is not None,
-        HAS_NORM=norm_weight is not None, NORM_BLOCK=norm_block, NORM_STEPS=norm_steps,
+        HAS_NORM=norm_weight is not None, NORM_FROM_X=from_x, NORM_BLOCK=norm_block,
+        NORM_STEPS=norm_steps,
         groups_per_split=per_split, ON_CPU=x.device.type == "cpu", num_warps=cfg.num_warps,
     )  # fmt: skip
 

@@ -172,7 +172,7 @@ def _topk_test_kernel(p_l, p_ids, p_wts, E, TOP_K: tl.constexpr, BLOCK_K: tl.con
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # NaN maths, on purpose
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN maths, on purpose
 def test_topk_rows_ties_and_nan(device):
     """The routing top-k: against torch's softmax/topk/renormalise on finite rows (E = 11,
     not a power of two; equal logits go to the lowest index), and on rows holding NaN or
@@ -245,7 +245,7 @@ def test_moe_prefill_skewed_routing_and_empty_experts(poison, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # NaN maths, on purpose
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN maths, on purpose
 def test_moe_prefill_nan_tokens_stay_contained(poison, device):
     """Tokens whose activations are NaN (or inf) must not disturb the plan: before the
     integer-key top-k, a NaN row's experts came out as E (out of range), so the expert

@@ -120,17 +120,25 @@ def test_qgemv_split_k_replays(device):
     "rows,dtype,cfg",
     [
         (0, torch.bfloat16, None),
+        (0, torch.bfloat16, GemvConfig(8, 16, 1, 4)),
         (0, torch.float32, GemvConfig(8, 2, 3, 4)),
         (0, torch.bfloat16, GemvConfig(16, 2, 1, 2)),
         (3, torch.bfloat16, None),
         (2, torch.float32, GemvConfig(8, 4, 2, 4)),
     ],
-    ids=["bf16-table", "fp32-split3", "bf16-k-loop", "bf16-rows3", "fp32-rows2-split2"],
+    ids=[
+        "bf16-table",
+        "bf16-whole-row",
+        "fp32-split3",
+        "bf16-k-loop",
+        "bf16-rows3",
+        "fp32-rows2-split2",
+    ],  # fmt: skip
 )
 def test_qgemv_norm_prologue(poison, device, rows, dtype, cfg):
     """``norm_weight``: the GEMV of rmsnorm(x) * w_norm (the model's norm, unfused, as the
-    reference), with split-K (every program computes the statistics), a K loop of 5 steps
-    (statistics before the first step only), several rows and a residual."""
+    reference): statistics from the loaded row (one step covers K), from a separate pass
+    (split-K: every program computes them; a K loop of 5 steps), several rows, a residual."""
     gen = torch.Generator().manual_seed(40 + rows)
     w = _weight(40, 320, 4, 32, device, gen)
     shape = (320,) if rows == 0 else (rows, 320)
