@@ -67,7 +67,10 @@ def _from(s: dict[str, Any], defs: dict[str, Any], depth: int) -> st.SearchStrat
         lo, hi = s.get("minimum"), s.get("maximum")
         lo = int(lo) if lo is not None else -(10**6)
         hi = int(min(hi, 2**62)) if hi is not None else 10**6
-        return st.integers(lo, hi)
+        # Small values half the time: counts like n and best_of are valid only near 1.
+        if max(lo, -2) > min(hi, 3):
+            return st.integers(lo, hi)
+        return st.one_of(st.integers(max(lo, -2), min(hi, 3)), st.integers(lo, hi))
     if kind == "number":
         return st.floats(
             min_value=s.get("minimum", s.get("exclusiveMinimum", -1e6)),

@@ -217,6 +217,7 @@ def test_schema_fuzz_never_5xx(server, openapi, path):
     seen = {"ok": 0, "4xx": 0}
 
     @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=FUZZ_EXAMPLES == 100,
+              database=None,
               suppress_health_check=list(HealthCheck))  # fmt: skip
     @given(body=request_bodies(openapi, name))
     def run(body):
