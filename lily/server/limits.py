@@ -7,11 +7,12 @@ invites the kernel's OOM killer, which takes the whole server down. So each requ
 memory is estimated from the model config before it is queued: K/V caches grow by doubling
 (lily/runtime/state.py), the DeltaNet states are fixed, and a prefill chunk needs
 activations. It is compared with what is free: on a GPU, free device memory plus what
-PyTorch holds in reserve plus the working state (reused by the next request), less the
-prefix cache's unused budget (it may fill while the request runs) and a margin; on a CPU,
-MemAvailable from /proc/meminfo likewise. ``--max-request-memory-mb`` caps it further (the
-only limit where neither reading works). The estimate is deliberately simple; a fault that
-still runs out of memory is caught as an engine error (serving.py), not a crash.
+PyTorch holds in reserve plus the working state (reused by the next request), less what
+the prefix cache may take meanwhile (a copy of that state and a few snapshots, within its
+budget) and a margin; on a CPU, MemAvailable from /proc/meminfo likewise.
+``--max-request-memory-mb`` caps it further (the only limit where neither reading works).
+The estimate is deliberately simple; a request that still runs out of device memory is
+caught as an engine error (serving.py, a 503), not a crash.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ MiB = 1 << 20
 _SAFETY = 256 * MiB  # allocator fragmentation, CUDA graphs, sampler and grammar buffers
 _SCORE_ELEMS = 1 << 26  # the reference attention's score block (lily/model/attention.py)
 _FIRST_CAPACITY = 256  # SessionState.new's initial KV capacity
+_SNAPSHOTS = 8  # turn-start snapshots one request is assumed to save
 
 
 @dataclass(frozen=True)
@@ -122,10 +124,14 @@ class MemoryGuard:
         free = self._free()
         if free is not None:
             e = self.engine
+            # The working state's buffers are reused by the next request ...
             reusable = _nbytes(lambda: e.state.nbytes())
+            # ... but the prefix cache may first copy it out, and it saves DeltaNet
+            # snapshots at turn starts, as far as its budget lets it grow.
             cache = e.prefix_cache
-            headroom = max(0, cache.budget - _nbytes(cache.nbytes))
-            free = max(0, free + reusable - headroom - _SAFETY)
+            room = max(0, cache.budget - _nbytes(cache.nbytes))
+            growth = min(room, reusable + _SNAPSHOTS * self.need(1, 1).recurrent)
+            free = max(0, free + reusable - growth - _SAFETY)
         if self.limit is not None:
             free = self.limit if free is None else min(free, self.limit)
         return free

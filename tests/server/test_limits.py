@@ -81,15 +81,19 @@ def _fake_engine(state_bytes: int, cache_budget: int, cache_used: int, device: s
     )
 
 
-def test_available_counts_reusable_state_and_reserves_the_cache_budget():
+def test_available_counts_reusable_state_and_what_the_cache_may_take():
+    snap = 3 * (3 * 256 * 4 + 4 * 32 * 32 * 4)  # the tiny model's DeltaNet states, fp32
     e = _fake_engine(state_bytes=3 * MiB, cache_budget=100 * MiB, cache_used=40 * MiB)
     g = MemoryGuard(e, None, free_reader=lambda: 1024 * MiB)
-    # free + the working state (reused) - what the prefix cache may still take - margin
-    assert g.available() == (1024 + 3 - 60 - 256) * MiB
+    # free + the working state (reused) - its copy and 8 snapshots in the cache - margin
+    assert g.available() == (1024 + 3 - 3 - 256) * MiB - 8 * snap
+    full = _fake_engine(state_bytes=3 * MiB, cache_budget=100 * MiB, cache_used=99 * MiB)
+    g = MemoryGuard(full, None, free_reader=lambda: 1024 * MiB)
+    assert g.available() == (1024 + 3 - 1 - 256) * MiB  # the cache can grow 1 MiB only
     assert MemoryGuard(e, 5 * MiB, free_reader=lambda: 1024 * MiB).available() == 5 * MiB
     assert MemoryGuard(e, 5 * MiB, free_reader=lambda: None).available() == 5 * MiB
     assert MemoryGuard(e, None, free_reader=lambda: None).available() is None
-    assert MemoryGuard(e, None, free_reader=lambda: 10 * MiB).available() == 0
+    assert MemoryGuard(e, None, free_reader=lambda: 10 * MiB).available() == 0  # margin
 
 
 def test_fit_finds_the_largest_total_that_fits():
