@@ -34,6 +34,7 @@ error. Prints compact tables (again all together at the end); the JSON holds eve
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import subprocess
@@ -95,6 +96,8 @@ DECODE_CFGS = [  # moe_decode variants (None: the table)
     MoeDecodeConfig(router_rows=2, shared_rows=4),
 ]  # fmt: skip
 CHAIN_LAYERS = 8
+CHAIN_PROJ, CHAIN_O = 12352, 4096  # fused DeltaNet projection rows, mixer output width
+STRESS_T = (4096, 4096, 1000)  # prefill chunks in a row for the stress row
 ERR_CHARS = 200  # of a compile error in the --compile-only table
 
 
@@ -255,6 +258,7 @@ def fused_rows(ceil: dict, gen: torch.Generator) -> list[dict]:
         floor_us = nbytes / ceil["copy_GBps"] / 1e3
         variants = {
             "fused norm": lambda x, w: qgemv(x, w, norm_weight=nw, eps=EPS),
+            "fused norm pdl": lambda x, w: qgemv(x, w, norm_weight=nw, eps=EPS, pdl=True),
             "rms_norm + qgemv": lambda x, w: qgemv(rms_norm(x, nw, EPS), w),
         }
         for label, fn in variants.items():
@@ -341,16 +345,16 @@ def decode_point(calls: list, check, ref, nbytes: float, floor_us: float) -> dic
 
 
 def decode_replay(args, xs, rs, nw) -> dict:
-    """Captured once, replayed on a new token written into the captured input."""
+    """Captured once (with PDL), replayed on a new token written into the captured input."""
     x, r = xs[1].clone(), rs[1].clone()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        moe_decode(x, *args, TOP_K, r, norm_weight=nw)
+        moe_decode(x, *args, TOP_K, r, norm_weight=nw, pdl=True)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = moe_decode(x, *args, TOP_K, r, norm_weight=nw)
+        out = moe_decode(x, *args, TOP_K, r, norm_weight=nw, pdl=True)
     x.copy_(xs[2])
     r.copy_(rs[2])
     graph.replay()
@@ -380,6 +384,9 @@ def moe_decode_rows(ceil: dict, w: dict, gen: torch.Generator) -> list[dict]:
     ref_n = ref_moe(rms_norm(xs[0], nw, EPS), *args, TOP_K, xs[0])
     variants = {
         "fused norm": lambda x: moe_decode(x, *args, TOP_K, x, norm_weight=nw, eps=EPS),
+        "fused norm pdl": lambda x: moe_decode(
+            x, *args, TOP_K, x, norm_weight=nw, eps=EPS, pdl=True
+        ),
         "rms_norm + moe_decode": lambda x: moe_decode(rms_norm(x, nw, EPS), *args, TOP_K, x),
     }
     for label, fn in variants.items():
@@ -387,31 +394,42 @@ def moe_decode_rows(ceil: dict, w: dict, gen: torch.Generator) -> list[dict]:
         calls = [partial(fn, x) for x in xs]
         attempt(rows, base, partial(decode_point, calls, partial(fn, xs[0]), ref_n, nbytes,
                                     floor_us))  # fmt: skip
-    base = {"op": "moe_decode", "shape": "graph replay, new token", "T": 1, "config": "table"}
+    base = {"op": "moe_decode", "shape": "graph replay, new token", "T": 1,
+            "config": "table, norm, pdl"}  # fmt: skip
     attempt(rows, base, partial(decode_replay, args, xs, rs, nw))
     return rows
 
 
-def chain_point(w: dict, gen: torch.Generator) -> dict:
+def chain_point(w: dict, gen: torch.Generator, pdl: bool) -> dict:
     """A decode layer's linear part over CHAIN_LAYERS layers of distinct projection weights:
     fused-norm qkv|z|b|a GEMV, out_proj GEMV with the residual (its input a stand-in slice
-    for the mixer's output), fused-norm MoE. One graph; the mixers are not included."""
-    proj = [rand_qweight((12352, D), 4, gen) for _ in range(CHAIN_LAYERS)]
-    outp = [rand_qweight((D, 4096), 4, gen) for _ in range(CHAIN_LAYERS)]
+    for the mixer's output), fused-norm MoE. One graph; the mixers are not included. Checked
+    against the same chain through the references (fp32)."""
+    proj = [rand_qweight((CHAIN_PROJ, D), 4, gen) for _ in range(CHAIN_LAYERS)]
+    outp = [rand_qweight((D, CHAIN_O), 4, gen) for _ in range(CHAIN_LAYERS)]
     nw = norm_weight(gen)
     args = list(w.values())
     x0 = torch.randn(D, generator=gen, device=DEV).to(BF16)
 
-    def layers(x):
-        for p, o in zip(proj, outp, strict=True):
-            y = qgemv(x, p, norm_weight=nw, eps=EPS)
-            x = qgemv(y[8192:12288], o, residual=x)
-            x = moe_decode(x, *args, TOP_K, x, norm_weight=nw, eps=EPS)
+    def layers(x, n: int = CHAIN_LAYERS):
+        for p, o in zip(proj[:n], outp[:n], strict=True):
+            y = qgemv(x, p, norm_weight=nw, eps=EPS, pdl=pdl)
+            x = qgemv(y[-CHAIN_O:], o, residual=x, pdl=pdl)
+            x = moe_decode(x, *args, TOP_K, x, norm_weight=nw, eps=EPS, pdl=pdl)
         return x
 
+    def reference(x, n: int):
+        for p, o in zip(proj[:n], outp[:n], strict=True):
+            y = ref_qlinear(rms_norm(x, nw, EPS), p).to(BF16)
+            x = ref_qlinear(y[-CHAIN_O:], o, x).to(BF16)
+            x = ref_moe(rms_norm(x, nw, EPS), *args, TOP_K, x).to(BF16)
+        return x
+
+    # Two layers only: bf16 rounding and router near-ties make longer chains drift apart.
+    err = rel(layers(x0, 2), reference(x0, 2))
     us = graph_ms([partial(layers, x0)]) * 1e3 / CHAIN_LAYERS
     nbytes = proj[0].nbytes() + outp[0].nbytes() + fixed_bytes(w) + TOP_K * expert_bytes(w)
-    return {"us": us, "launches": 5, "GBps": nbytes / us / 1e3,
+    return {"rel_err": err, "us": us, "launches": 5, "GBps": nbytes / us / 1e3,
             "kernels_us": kernel_times(partial(layers, x0))}  # fmt: skip
 
 
@@ -473,8 +491,8 @@ def moe_prefill_rows(ceil: dict, w: dict, gen: torch.Generator) -> list[dict]:
                 point = partial(prefill_point, cfg, atomic, x, a, res, ref, t, flop, floor_us,
                                 extra)  # fmt: skip
                 attempt(rows, base, point)
-    base = {"op": "moe_prefill", "shape": "chunks 4096/4096/1000, NaN tokens, skewed", "T": 4096,
-            "config": "table"}  # fmt: skip
+    base = {"op": "moe_prefill", "shape": f"chunks {STRESS_T}, NaN tokens, skewed",
+            "T": STRESS_T[0], "config": "table"}  # fmt: skip
     attempt(rows, base, partial(prefill_stress, w, gen))
     return rows
 
@@ -486,9 +504,9 @@ def prefill_stress(w: dict, gen: torch.Generator) -> dict:
     a[0], u = skewed_router(gen, hot=2)
     t0 = time.time()
     worst = 0.0
-    for t in (4096, 4096, 1000):
+    for t in STRESS_T:
         x = (torch.randn(t, D, generator=gen, device=DEV) + 2.0 * u).to(BF16)
-        bad = torch.tensor([0, 127, 128, t - 1], device=DEV)
+        bad = torch.tensor([0, t // 2 - 1, t // 2, t - 1], device=DEV)
         x[bad[:3]] = float("nan")
         x[bad[3], 7] = float("inf")
         y = moe_prefill(x, *a, TOP_K, x)
@@ -509,6 +527,20 @@ def zero_qweight(shape: tuple[int, ...], bits: int, gs: int = 64) -> QuantWeight
         torch.zeros(*lead, n, k // gs, dtype=BF16), torch.zeros(*lead, n, k // gs, dtype=BF16),
         bits, gs,
     )  # fmt: skip
+
+
+@contextlib.contextmanager
+def pdl_forced():
+    """PDL switched on for CPU tensors (compile-only: the launches are intercepted)."""
+    import lily.ops.moe_decode as md
+    import lily.ops.qgemv as qg
+
+    saved = md.use_pdl, qg.use_pdl
+    md.use_pdl = qg.use_pdl = lambda pdl, device: pdl
+    try:
+        yield
+    finally:
+        md.use_pdl, qg.use_pdl = saved
 
 
 def compile_report() -> list[dict]:
@@ -563,6 +595,12 @@ def compile_report() -> list[dict]:
                 label = "+norm " * (norm is not None) + cfg_str(cfg or MoeDecodeConfig())
                 launches.append(f"moe_decode {label}")
                 moe_decode(x, *args, TOP_K, x, norm_weight=norm, config=cfg)
+        # PDL (no-op on CPU tensors): forced on so griddepcontrol is assembled for sm_90.
+        with pdl_forced():
+            launches.append("moe_decode +norm pdl")
+            moe_decode(x, *args, TOP_K, x, norm_weight=nw, pdl=True)
+            launches.append("dn qkv|z|b|a +norm pdl")
+            qgemv(x, zero_qweight((12352, D), 4), norm_weight=nw, pdl=True)
         for t in PREFILL_T:
             for bm in (None, *PREFILL_BM):
                 cfg = moe_prefill_config(t if bm is None else bm * E // TOP_K, TOP_K, E)
@@ -585,6 +623,8 @@ def compile_report() -> list[dict]:
         if "ON_CPU" in const:
             const["ON_CPU"] = False
         opts = {"num_warps": kw.get("num_warps", 4), "num_stages": kw.get("num_stages", 3)}
+        if kw.get("launch_pdl"):
+            opts["launch_pdl"] = True
         key = (fn.__name__, tuple(sorted(const.items())), tuple(opts.values()))
         if key in seen:
             continue
@@ -698,9 +738,10 @@ def main() -> None:
         w = moe_weights(gen)
         if "moe_decode" in only:
             rows = moe_decode_rows(ceil, w, gen)
-            base = {"op": "decode chain", "shape": "qkv|z|b|a+norm, out_proj+res, moe+norm",
-                    "T": 1, "config": "table, us per layer"}  # fmt: skip
-            attempt(rows, base, partial(chain_point, w, gen))
+            for pdl in (False, True):
+                base = {"op": "decode chain", "shape": "qkv|z|b|a+norm, out_proj+res, moe+norm",
+                        "T": 1, "config": "us per layer" + " pdl" * pdl}  # fmt: skip
+                attempt(rows, base, partial(chain_point, w, gen, pdl))
             result["moe_decode"] = rows
             cols = ["op", "shape", "T", "config", "rel_err", "us", "GBps", "of_copy",
                     "kernels_us"]  # fmt: skip

@@ -32,9 +32,7 @@ import triton.language as tl
 
 from lily.ops.qgemv import (
     _as_f,
-    cast_to,
     cdiv,
-    check_norm,
     check_weight,
     check_x,
     gemv_block,
@@ -42,10 +40,12 @@ from lily.ops.qgemv import (
     load_words,
     load_x,
     mask_lo,
-    norm_meta,
-    norm_x,
+    pdl_launch,
+    pdl_wait,
     pow2,
+    use_pdl,
 )
+from lily.ops.rmsnorm import cast_to, check_norm, norm_meta, norm_x
 from lily.quant import QuantWeight
 
 Tensor = torch.Tensor
@@ -93,19 +93,23 @@ def _sigmoid(x):
 
 
 @triton.jit
+def _gate_up_words(gw, gs, gb, uw, us, ub, sqn, ssn, o_n, m_n, D,
+                   BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr):  # fmt: skip
+    """Gate and up tiles of rows o_n, whole K (words, scales, biases of each)."""
+    b_gw, b_gs, b_gb = load_words(gw, gs, gb, sqn, ssn, o_n, m_n, 0, D // GROUP, BITS, GROUP,
+                                  BLOCK_G)  # fmt: skip
+    b_uw, b_us, b_ub = load_words(uw, us, ub, sqn, ssn, o_n, m_n, 0, D // GROUP, BITS, GROUP,
+                                  BLOCK_G)  # fmt: skip
+    return b_gw, b_gs, b_gb, b_uw, b_us, b_ub
+
+
+@triton.jit
 def _gate_up(
-    b_x, b_nw, eps, D, gw, gs, gb, uw, us, ub, sqn, ssn, o_n, m_n, mask_lo,
-    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HAS_NORM: tl.constexpr,
-    ON_CPU: tl.constexpr,
+    b_gw, b_gs, b_gb, b_uw, b_us, b_ub, b_x, b_nw, eps, D, mask_lo,
+    BITS: tl.constexpr, BLOCK_G: tl.constexpr, HAS_NORM: tl.constexpr, ON_CPU: tl.constexpr,
 ):  # fmt: skip
-    """``silu(x' @ gate[o_n].T) * (x' @ up[o_n].T)`` fp32 (BN,) for the whole row x (BW, PER)
-    already loaded (with the norm weight b_nw): both weight tiles are loaded before the norm
-    statistics' reductions, and x' is prepared once for both."""
-    n_groups = D // GROUP
-    b_gw, b_gs, b_gb = load_words(gw, gs, gb, sqn, ssn, o_n, m_n, 0, n_groups, BITS, GROUP,
-                                  BLOCK_G)  # fmt: skip
-    b_uw, b_us, b_ub = load_words(uw, us, ub, sqn, ssn, o_n, m_n, 0, n_groups, BITS, GROUP,
-                                  BLOCK_G)  # fmt: skip
+    """``silu(x' @ gate.T) * (x' @ up.T)`` fp32 (BN,) from loaded tiles and the whole row x
+    (BW, PER) with its norm weight: x' is prepared once for both."""
     rstd = 1.0
     if HAS_NORM:
         b_xf = b_x.to(tl.float32)
@@ -127,8 +131,9 @@ def _moe_router_kernel(
     R_GROUP: tl.constexpr, R_BG: tl.constexpr, C_BITS: tl.constexpr, C_GROUP: tl.constexpr,
     C_BG: tl.constexpr, S_BN: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
     S_BG: tl.constexpr, HAS_NORM: tl.constexpr, NORM_BLOCK: tl.constexpr,
-    NORM_STEPS: tl.constexpr, ON_CPU: tl.constexpr,
+    NORM_STEPS: tl.constexpr, ON_CPU: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    # Weights first; with PDL, x (the previous kernel's output) only after pdl_wait.
     pid = tl.program_id(0)
     # NOTE: each branch names its own tensors: the compiler (unlike the interpreter) wants a
     # variable assigned in two run-time branches to have one type.
@@ -138,7 +143,7 @@ def _moe_router_kernel(
         b_r = gemv_block(
             p_x, 0, 1, D, p_nw, eps, p_rw, p_rs, p_rb, stride_rqn, stride_rsn, o_r, o_r < E,
             0, D // R_GROUP, mask_lo_r, R_BITS, R_GROUP, R_BG, 1, 1, HAS_NORM, True, NORM_BLOCK,
-            NORM_STEPS, ON_CPU,
+            NORM_STEPS, ON_CPU, PDL,
         )  # fmt: skip
         tl.store(p_logits + o_r[None, :], b_r, mask=(o_r < E)[None, :])
     elif pid == R_PROGS:
@@ -147,18 +152,21 @@ def _moe_router_kernel(
         b_c = gemv_block(
             p_x, 0, 1, D, p_nw, eps, p_cw, p_cs, p_cb, 0, 0, o_c, o_c < 1, 0, D // C_GROUP,
             mask_lo_c, C_BITS, C_GROUP, C_BG, 1, 1, HAS_NORM, True, NORM_BLOCK, NORM_STEPS,
-            ON_CPU,
+            ON_CPU, PDL,
         )  # fmt: skip
         tl.store(p_logits + E + o_c[None, :], b_c, mask=(o_c < 1)[None, :])
     else:
         # Shared expert gate/up rows -> h[TOP_K].
         o_s = (pid - R_PROGS - 1) * S_BN + tl.arange(0, S_BN)
         m_s = o_s < I_S
-        b_xs, b_nws = load_x(p_x, p_nw, 0, D // GROUP, True, HAS_NORM, BITS, GROUP, S_BG)
-        b_h = _gate_up(
-            b_xs, b_nws, eps, D, p_sgw, p_sgs, p_sgb, p_suw, p_sus, p_sub, stride_sqn,
-            stride_ssn, o_s, m_s, mask_lo, BITS, GROUP, S_BG, HAS_NORM, ON_CPU,
+        b_gw, b_gs, b_gb, b_uw, b_us, b_ub = _gate_up_words(
+            p_sgw, p_sgs, p_sgb, p_suw, p_sus, p_sub, stride_sqn, stride_ssn, o_s, m_s, D, BITS,
+            GROUP, S_BG,
         )  # fmt: skip
+        pdl_wait(PDL)
+        b_xs, b_nws = load_x(p_x, p_nw, 0, D // GROUP, True, HAS_NORM, BITS, GROUP, S_BG)
+        b_h = _gate_up(b_gw, b_gs, b_gb, b_uw, b_us, b_ub, b_xs, b_nws, eps, D, mask_lo, BITS,
+                       S_BG, HAS_NORM, ON_CPU)  # fmt: skip
         tl.store(p_h + TOP_K * stride_h + o_s, b_h, mask=m_s)
 
 
@@ -169,7 +177,7 @@ def _moe_gate_up_kernel(
     E, D, I_E, stride_h, mask_lo, eps,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BITS: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr,
-    HAS_NORM: tl.constexpr, ON_CPU: tl.constexpr,
+    HAS_NORM: tl.constexpr, ON_CPU: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     slot = pid // N_BLOCKS
@@ -177,7 +185,10 @@ def _moe_gate_up_kernel(
     o_e = tl.arange(0, BLOCK_E)
     o_k = tl.arange(0, BLOCK_K)
     # x first: its loads fly while the top-k runs (the weights must wait for the expert id).
+    # NOTE: with PDL, x may be read before pdl_wait: it was written before the router kernel
+    # ran, and this kernel starts only once every router program has passed its own wait.
     b_x, b_nw = load_x(p_x, p_nw, 0, D // GROUP, True, HAS_NORM, BITS, GROUP, BLOCK_G)
+    pdl_wait(PDL)
     b_l = tl.load(p_logits + o_e, mask=o_e < E, other=0.0)
     ids, wts = topk_rows(b_l[None, :], E, TOP_K, BLOCK_K)
     if pid == 0:
@@ -186,12 +197,13 @@ def _moe_gate_up_kernel(
     e64 = tl.sum(tl.sum(tl.where(o_k[None, :] == slot, ids, 0), axis=1), axis=0).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < I_E
-    b_h = _gate_up(
-        b_x, b_nw, eps, D, p_gw + e64 * stride_we, p_gs + e64 * stride_se,
-        p_gb + e64 * stride_se, p_uw + e64 * stride_we, p_us + e64 * stride_se,
-        p_ub + e64 * stride_se, stride_qn, stride_sn, o_n, m_n, mask_lo, BITS, GROUP, BLOCK_G,
-        HAS_NORM, ON_CPU,
+    b_gw, b_gs, b_gb, b_uw, b_us, b_ub = _gate_up_words(
+        p_gw + e64 * stride_we, p_gs + e64 * stride_se, p_gb + e64 * stride_se,
+        p_uw + e64 * stride_we, p_us + e64 * stride_se, p_ub + e64 * stride_se, stride_qn,
+        stride_sn, o_n, m_n, D, BITS, GROUP, BLOCK_G,
     )  # fmt: skip
+    b_h = _gate_up(b_gw, b_gs, b_gb, b_uw, b_us, b_ub, b_x, b_nw, eps, D, mask_lo, BITS,
+                   BLOCK_G, HAS_NORM, ON_CPU)  # fmt: skip
     tl.store(p_h + slot * stride_h + o_n, b_h, mask=m_n)
 
 
@@ -252,6 +264,7 @@ def _moe_down_kernel(
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr, S_BG: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_SHARED: tl.constexpr, HAS_RES: tl.constexpr, ON_CPU: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     PER: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = GROUP // PER
@@ -261,6 +274,17 @@ def _moe_down_kernel(
     m_n = o_n < D
     o_k = tl.arange(0, BLOCK_K)
     m_k = o_k < TOP_K
+    # Before pdl_wait (see _moe_gate_up_kernel's note): the shared expert's down tile
+    # (constant), its h row and gate logit (router kernel, two launches back), the residual.
+    if HAS_SHARED:
+        b_sw, b_ss, b_sb = load_words(p_sdw, p_sds, p_sdb, stride_sqn, stride_ssn, o_n, m_n, 0,
+                                      I_S // GROUP, BITS, GROUP, S_BG)  # fmt: skip
+        b_hs, _ = load_x(p_h + TOP_K * stride_h, p_h, 0, I_S // GROUP, True, False, BITS, GROUP,
+                         S_BG)  # fmt: skip
+        b_c = tl.load(p_logits + E)
+    if HAS_RES:
+        b_res = tl.load(p_res + o_n, mask=m_n, other=0.0).to(tl.float32)
+    pdl_wait(PDL)
     e64 = tl.load(p_ids + o_k, mask=m_k, other=0).to(tl.int64)
     b_r = tl.load(p_wts + o_k, mask=m_k, other=0.0)
     # The k experts' (rows, I) tiles as one block, so every load is in flight at once.
@@ -275,17 +299,9 @@ def _moe_down_kernel(
     m_sb = m_kn & (o_g < n_groups)[None, None, :]
     b_s = tl.load(p_ds + p_sb, mask=m_sb, other=0.0).to(tl.float32)
     b_b = tl.load(p_db + p_sb, mask=m_sb, other=0.0).to(tl.float32)
-    if HAS_SHARED:
-        b_sw, b_ss, b_sb = load_words(p_sdw, p_sds, p_sdb, stride_sqn, stride_ssn, o_n, m_n, 0,
-                                      I_S // GROUP, BITS, GROUP, S_BG)  # fmt: skip
-        b_hs, _ = load_x(p_h + TOP_K * stride_h, p_h, 0, I_S // GROUP, True, False, BITS, GROUP,
-                         S_BG)  # fmt: skip
-        b_c = tl.load(p_logits + E)
     o_x = tl.arange(0, BW)[:, None] * PER + tl.arange(0, PER)[None, :]
     m_x = m_k[:, None, None] & (o_x < I_E)[None, :, :]
     b_h = tl.load(p_h + o_k[:, None, None] * stride_h + o_x[None, :, :], mask=m_x, other=0.0)
-    if HAS_RES:
-        b_res = tl.load(p_res + o_n, mask=m_n, other=0.0).to(tl.float32)
 
     acc = tl.sum(_gemv_tile3(b_w, b_s, b_b, b_h, mask_lo, BITS, BLOCK_G) * b_r[:, None], axis=0)
     if HAS_SHARED:
@@ -391,6 +407,7 @@ def moe_decode(
     norm_weight: Tensor | None = None,
     eps: float = 1e-6,
     config: MoeDecodeConfig | None = None,
+    pdl: bool = False,
 ) -> Tensor:
     """``residual + moe(x')`` for one token x (D,) -> (D,) in x's dtype, three launches.
 
@@ -398,7 +415,8 @@ def moe_decode(
     unfused norm) when ``norm_weight`` (D,) is given, else x; ``residual`` is added as given
     (pass the un-normed x for a decoder layer). router (E, D); gate, up (E, I, D); down
     (E, D, I); the shared expert (Is, D), (Is, D), (D, Is) and its gate (1, D), all
-    QuantWeight (or all four shared parts None).
+    QuantWeight (or all four shared parts None). ``pdl``: launch the three kernels with
+    programmatic dependent launch (Hopper and newer; ignored elsewhere; see lily.ops.qgemv).
     """
     name = "moe_decode"
     e, i, d = _check_moe_weights(gate, up, down, name)
@@ -426,6 +444,7 @@ def moe_decode(
     norm_block, norm_steps = norm_meta(d)
     gs = gate.group_size
     block_k = pow2(top_k)
+    pdl = use_pdl(pdl, dev)
 
     # 1. router logits, the shared gate's logit (slot E), the shared expert's h (row k).
     logits = torch.empty(e + 1, dtype=torch.float32, device=dev)
@@ -447,7 +466,8 @@ def moe_decode(
         R_GROUP=router.group_size, R_BG=_whole(d, router.group_size), C_BITS=seg.bits,
         C_GROUP=seg.group_size, C_BG=_whole(d, seg.group_size), S_BN=cfg.shared_rows,
         BITS=gate.bits, GROUP=gs, S_BG=_whole(d, gs), HAS_NORM=has_norm,
-        NORM_BLOCK=norm_block, NORM_STEPS=norm_steps, ON_CPU=on_cpu, num_warps=cfg.num_warps,
+        NORM_BLOCK=norm_block, NORM_STEPS=norm_steps, ON_CPU=on_cpu, PDL=pdl,
+        num_warps=cfg.num_warps, **pdl_launch(pdl),
     )  # fmt: skip
 
     # 2. top-k in every program, routed gate/up; program 0 writes the (expert, weight) pairs.
@@ -462,7 +482,7 @@ def moe_decode(
         e, d, i, h.stride(0), mask_lo(gate.bits), float(eps),
         TOP_K=top_k, BLOCK_K=block_k, BLOCK_E=pow2(e), BITS=gate.bits,
         GROUP=gs, BLOCK_G=_whole(d, gs), BLOCK_N=cfg.gate_up_rows, N_BLOCKS=nb,
-        HAS_NORM=has_norm, ON_CPU=on_cpu, num_warps=cfg.num_warps,
+        HAS_NORM=has_norm, ON_CPU=on_cpu, PDL=pdl, num_warps=cfg.num_warps, **pdl_launch(pdl),
     )  # fmt: skip
 
     # 3. down for all slots, weighted sum, shared gate, residual.
@@ -476,6 +496,6 @@ def moe_decode(
         TOP_K=top_k, BLOCK_K=block_k, BITS=down.bits, GROUP=down.group_size,
         BLOCK_G=_whole(i, down.group_size), S_BG=_whole(max(i_s, down.group_size), gs),
         BLOCK_N=cfg.down_rows, HAS_SHARED=has_shared, HAS_RES=residual is not None,
-        ON_CPU=on_cpu, num_warps=cfg.down_warps,
+        ON_CPU=on_cpu, PDL=pdl, num_warps=cfg.down_warps, **pdl_launch(pdl),
     )  # fmt: skip
     return out

@@ -20,6 +20,12 @@ and deterministic results.
 Optional RMSNorm prologue (``norm_weight``): the GEMV consumes ``rmsnorm(x) * w_norm``. x is
 a few KB, so every program computes the row statistics itself (fp32) instead of a separate
 norm launch; it issues its weight loads first so the statistics hide under their latency.
+
+Optional programmatic dependent launch (``pdl=True``, Hopper): the kernel may start while the
+previous one in the stream finishes; it issues its weight loads (constants), then waits for
+the previous kernel (``griddepcontrol.wait``) before reading x, the residual or anything
+else a kernel wrote. In a chain of decode kernels this hides each launch and the first
+weight round trip behind the previous kernel's tail.
 """
 
 from __future__ import annotations
@@ -29,43 +35,27 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from lily.ops.rmsnorm import (  # noqa: F401 - cast_to, to_bf16 re-exported for the kernels
+    cast_to,
+    check_norm,
+    norm_meta,
+    norm_x,
+    row_rstd,
+    to_bf16,
+)
 from lily.quant import QuantWeight
 
 Tensor = torch.Tensor
 
 MAX_ROWS = 8  # the batched variant handles up to this many rows of x
-_NORM_BLOCK = 4096  # x values per step of the norm statistics
 
 
 @triton.jit
 def _as_f(t, mask):
     # The code's bits (already at their mantissa position) OR'd into 1.0.
     return ((t & mask) | 0x3F800000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def to_bf16(x, ON_CPU: tl.constexpr):
-    """x as bf16, rounded to nearest even.
-
-    NOTE: Triton 3.6's interpreter truncates on fp32 -> bf16 (and its round-to-nearest mode
-    loses the carry into the exponent), so on the CPU the rounding is done in integers
-    first; on the GPU the conversion instruction rounds and this is a plain cast.
-    """
-    if ON_CPU:
-        if x.dtype != tl.bfloat16:
-            u = x.to(tl.float32).to(tl.int32, bitcast=True)
-            u = (u + 0x7FFF + ((u >> 16) & 1)) & -65536
-            x = u.to(tl.float32, bitcast=True)
-    return x.to(tl.bfloat16)
-
-
-@triton.jit
-def cast_to(x, dtype: tl.constexpr, ON_CPU: tl.constexpr):
-    """x cast to an output dtype, bf16 rounded as on the GPU (see to_bf16)."""
-    if dtype == tl.bfloat16:
-        return to_bf16(x, ON_CPU)
-    return x.to(dtype)
 
 
 @triton.jit
@@ -173,28 +163,14 @@ def load_x(p_x, p_nw, g0, g_end, m_row, HAS_NORM: tl.constexpr,
 
 
 @triton.jit
-def norm_x(b_x, b_nw, rstd, HAS_NORM: tl.constexpr, ON_CPU: tl.constexpr):
-    """fp32 ``x * rstd * w_norm`` rounded to x's dtype, as the unfused rms_norm returns it
-    (so fusing changes no bits); x itself in fp32 without a norm."""
-    if HAS_NORM:
-        y = b_x.to(tl.float32) * rstd * b_nw.to(tl.float32)
-        return cast_to(y, b_x.dtype, ON_CPU).to(tl.float32)
-    return b_x.to(tl.float32)
-
-
-@triton.jit
-def row_rstd(p_x, stride_xt, T, K, eps, BT: tl.constexpr, NORM_BLOCK: tl.constexpr,
-             NORM_STEPS: tl.constexpr):  # fmt: skip
-    """fp32 ``1 / sqrt(mean(x^2) + eps)`` of rows 0..BT-1 (rows past T give finite junk)."""
-    o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, NORM_BLOCK)
-    b_ss = tl.zeros((BT,), tl.float32)
-    for i in range(NORM_STEPS):
-        k = i * NORM_BLOCK + o_k
-        p = p_x + o_t[:, None] * stride_xt + k[None, :]
-        b_x = tl.load(p, mask=(o_t < T)[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
-        b_ss += tl.sum(b_x * b_x, axis=1)
-    return 1.0 / tl.sqrt_rn(b_ss / K + eps)
+def pdl_wait(PDL: tl.constexpr):
+    """With programmatic dependent launch: wait until the previous kernel has finished and its
+    writes are visible (everything before this may only read constants), then let the next
+    kernel launch. Every program of a PDL-launched kernel must pass here, so the kernel can
+    only finish after its predecessor (transitively: after all earlier kernels)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -210,6 +186,7 @@ def gemv_block(
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, STEPS: tl.constexpr,
     BT: tl.constexpr, HAS_NORM: tl.constexpr, NORM_FROM_X: tl.constexpr,
     NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr, ON_CPU: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """fp32 (BT, BN) = x'[:T, groups g_start:g_end] @ w[o_n, same groups].T (dequantized),
     with x' = rmsnorm(x) * w_norm when HAS_NORM, else x.
@@ -218,7 +195,8 @@ def gemv_block(
     The first step's loads (weights, x, norm weight) are issued before the norm statistics'
     reductions, whose barriers would otherwise hold the weight loads back. NORM_FROM_X: the
     one step's x slice is the whole row (one row, no split-K), so the statistics use it
-    instead of loading the row again.
+    instead of loading the row again. PDL: wait for the previous kernel after issuing the
+    first step's weight loads (see pdl_wait).
     NOTE: loop bounds are constexpr because the Triton interpreter (numpy >= 2) cannot take
     a run-time scalar as a ``range`` bound.
     """
@@ -227,6 +205,7 @@ def gemv_block(
     acc = tl.zeros((BT, BN), tl.float32)
     b_w, b_s, b_b = load_words(p_qw, p_s, p_b, stride_qn, stride_sn, o_n, m_n, g_start, g_end,
                                BITS, GROUP, BLOCK_G)  # fmt: skip
+    pdl_wait(PDL)
     if BT == 1:
         b_x, b_nw = load_x(p_x, p_nw, g_start, g_end, T > 0, HAS_NORM, BITS, GROUP, BLOCK_G)
     if HAS_NORM:
@@ -267,6 +246,7 @@ def _qgemv_kernel(
     BLOCK_G: tl.constexpr, SPLIT_K: tl.constexpr, HAS_RES: tl.constexpr,
     HAS_NORM: tl.constexpr, NORM_FROM_X: tl.constexpr, NORM_BLOCK: tl.constexpr,
     NORM_STEPS: tl.constexpr, groups_per_split: tl.constexpr, ON_CPU: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     i_n = tl.program_id(0)
     i_k = tl.program_id(1)
@@ -280,7 +260,7 @@ def _qgemv_kernel(
         p_x, stride_xt, T, K, p_nw, eps,
         p_qw, p_s, p_b, stride_qn, stride_sn, o_n, m_n, g_start, g_end, mask_lo,
         BITS, GROUP, BLOCK_G, triton.cdiv(groups_per_split, BLOCK_G), BLOCK_T, HAS_NORM,
-        NORM_FROM_X, NORM_BLOCK, NORM_STEPS, ON_CPU,
+        NORM_FROM_X, NORM_BLOCK, NORM_STEPS, ON_CPU, PDL,
     )  # fmt: skip
     m_tn = m_t[:, None] & m_n[None, :]
     if SPLIT_K > 1:
@@ -415,23 +395,15 @@ def check_x(x: Tensor, k: int, name: str, device: torch.device) -> None:
         raise ValueError(f"{name}: x is on {x.device}, the weight on {device}")
 
 
-def check_norm(norm_weight: Tensor | None, k: int, name: str, device: torch.device) -> Tensor:
-    """The RMSNorm multiplier (K,) as a contiguous float tensor (clear errors otherwise)."""
-    if not isinstance(norm_weight, Tensor):
-        raise TypeError(f"{name}: norm_weight must be a tensor, got {type(norm_weight).__name__}")
-    if tuple(norm_weight.shape) != (k,):
-        raise ValueError(f"{name}: norm_weight {tuple(norm_weight.shape)} must be ({k},)")
-    if not norm_weight.is_floating_point() or norm_weight.dtype == torch.float64:
-        raise TypeError(f"{name}: norm_weight dtype {norm_weight.dtype} is not bf16/fp16/fp32")
-    if norm_weight.device != device:
-        raise ValueError(f"{name}: norm_weight is on {norm_weight.device}, x on {device}")
-    return norm_weight.contiguous()
+def pdl_launch(pdl: bool) -> dict:
+    """Launch options for programmatic dependent launch (nothing when off, so the kernels
+    compiled without it keep their cache entries)."""
+    return {"launch_pdl": True} if pdl else {}
 
 
-def norm_meta(k: int) -> tuple[int, int]:
-    """(NORM_BLOCK, NORM_STEPS) for the statistics of a K-wide row."""
-    block = min(_NORM_BLOCK, pow2(k))
-    return block, cdiv(k, block)
+def use_pdl(pdl: bool, device: torch.device) -> bool:
+    """PDL only on a CUDA device of compute capability 9.0 or newer (a no-op elsewhere)."""
+    return pdl and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _launch_qgemv(
@@ -442,6 +414,7 @@ def _launch_qgemv(
     cfg: GemvConfig,
     norm_weight: Tensor | None = None,
     eps: float = 1e-6,
+    pdl: bool = False,
 ) -> None:
     t, k = x.shape
     n = w.shape[0]
@@ -469,8 +442,8 @@ def _launch_qgemv(
         BITS=w.bits, GROUP=w.group_size, BLOCK_T=block_t, BLOCK_N=cfg.block_n,
         BLOCK_G=cfg.block_g, SPLIT_K=split, HAS_RES=residual is not None,
         HAS_NORM=norm_weight is not None, NORM_FROM_X=from_x, NORM_BLOCK=norm_block,
-        NORM_STEPS=norm_steps,
-        groups_per_split=per_split, ON_CPU=x.device.type == "cpu", num_warps=cfg.num_warps,
+        NORM_STEPS=norm_steps, groups_per_split=per_split, ON_CPU=x.device.type == "cpu",
+        PDL=pdl, num_warps=cfg.num_warps, **pdl_launch(pdl),
     )  # fmt: skip
 
 
@@ -483,6 +456,7 @@ def qgemv(
     residual: Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     config: GemvConfig | None = None,
+    pdl: bool = False,
 ) -> Tensor:
     """``residual + x' @ dequantize(w).T`` for a decode row.
 
@@ -491,7 +465,9 @@ def qgemv(
     statistics, rounded to x's dtype as the unfused ``rms_norm`` returns it) when
     ``norm_weight`` (K,) is given, else x. Returns (N,) or (T, N) in ``out_dtype`` (default
     x's dtype), accumulated in fp32; ``residual`` (same shape as the output) is added
-    before the final rounding.
+    before the final rounding. ``pdl``: launch with programmatic dependent launch (Hopper
+    and newer; ignored elsewhere): safe whatever ran before, faster after another PDL-aware
+    kernel (see the module docstring).
     """
     check_weight(w, "qgemv: w", 2)
     n, k = w.shape
@@ -516,5 +492,5 @@ def qgemv(
         res2 = residual.reshape(x2.shape[0], n)
         res2 = res2 if res2.stride(-1) == 1 else res2.contiguous()
     cfg = config or gemv_config(n, k, x2.shape[0], w.bits, w.group_size)
-    _launch_qgemv(x2, w, res2, out, cfg, norm_weight, eps)
+    _launch_qgemv(x2, w, res2, out, cfg, norm_weight, eps, use_pdl(pdl, x.device))
     return out.reshape(out_shape)

@@ -129,7 +129,8 @@ def test_moe_decode_matches_reference(
 @pytest.mark.parametrize("device", DEVICES)
 def test_moe_decode_replays_on_new_tokens(device):
     """Two tokens through one captured call (a CUDA graph on the GPU, as the decode step
-    runs; two eager calls on the CPU): nothing may leak from one call into the next."""
+    runs, with programmatic dependent launch; two eager calls on the CPU, where ``pdl`` is a
+    no-op): nothing may leak from one call into the next."""
     w = make_moe(8, 4, 64, True, seed=21, device=device)
     g = torch.Generator().manual_seed(9)
     xs = [torch.randn(D, generator=g).bfloat16().to(device) for _ in range(3)]
@@ -137,7 +138,7 @@ def test_moe_decode_replays_on_new_tokens(device):
     x = xs[0].clone()
 
     def call():
-        return moe_decode(x, *w.values(), 2, x, norm_weight=nw, config=WIDE)
+        return moe_decode(x, *w.values(), 2, x, norm_weight=nw, config=WIDE, pdl=True)
 
     if device == "cuda":
         side = torch.cuda.Stream()
