@@ -92,7 +92,8 @@ class Context:
         self.memory = MemoryGuard(engine, self.settings.max_request_memory)
         self.scheduler = Scheduler(engine, self.metrics, self.settings.queue_size)
         self.scheduler.start()
-        self.status = "ready"
+        if self.status == "loading":  # not when a SIGTERM came during the load
+            self.status = "ready"
 
     def ready(self) -> Context:
         if self.status != "ready" or self.scheduler is None or not self.scheduler.alive:
