@@ -189,11 +189,18 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(fn=cmd_init)
 
     from lily.bench.cli import add_bench_args, add_compare_args, run_bench, run_compare
-    from lily.server.app import add_serve_args, run_server
 
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _engine_args(v)
-    add_serve_args(v)
+    try:
+        from lily.server.app import add_serve_args, run_server
+    except ImportError as e:  # the server's web stack is not installed here
+        missing = str(e)
+
+        def run_server(args: argparse.Namespace) -> int:
+            raise OSError(f"lily serve is unavailable: {missing} (run scripts/install.sh)")
+    else:
+        add_serve_args(v)
     v.set_defaults(fn=run_server)
 
     b = sub.add_parser("bench", help="prefill and decode sweep, side by side with peers")
