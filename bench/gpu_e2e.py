@@ -39,7 +39,7 @@ def run(engine, lengths: list[int], decode: int) -> list[dict]:
         for c in state.kv.values():
             c.ensure(n + decode + 8)
         print(f"length {n}: prefill", flush=True)
-        logits, t_pre = timed(lambda: runner.prefill(ids, state))
+        logits, t_pre = timed(lambda ids=ids, state=state: runner.prefill(ids, state))
         print(f"length {n}: decode", flush=True)
         tok = int(logits.argmax())
         runner.decode(tok, state)  # first step captures the graph
