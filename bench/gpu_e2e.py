@@ -44,7 +44,7 @@ def run(engine, lengths: list[int], decode: int) -> list[dict]:
         tok = int(logits.argmax())
         runner.decode(tok, state)  # first step captures the graph
 
-        def steps():
+        def steps(tok=tok, state=state):
             t = tok
             for _ in range(decode):
                 t = int(runner.decode(t, state).argmax())
