@@ -53,6 +53,7 @@ from lily.ops.moe_prefill import MoePrefillConfig, moe_prefill, moe_prefill_conf
 from lily.ops.qgemm import GemmConfig, gemm_config, qgemm
 from lily.ops.qgemv import GemvConfig, gemv_config, qgemv
 from lily.ops.ref_linear import ref_moe, ref_qlinear, ref_route
+from lily.ops.rmsnorm import add_rmsnorm, rmsnorm
 from lily.quant import QuantWeight, dequantize, quantize
 
 DEV = "cuda"
@@ -267,6 +268,21 @@ def fused_rows(ceil: dict, gen: torch.Generator) -> list[dict]:
             calls = [partial(fn, x, w) for w, x in zip(ws, xs, strict=True)]
             check = partial(fn, xs[0], ws[0])
             attempt(rows, base, partial(gemv_point, calls, check, ref, nbytes, floor_us))
+    # Prefill-side norms (T, D): one kernel against torch's 7 ops, eager (host included).
+    for t in (1, 256, 4096):
+        x = (2 * torch.randn(t, D, generator=gen, device=DEV)).to(BF16)
+        r = torch.randn(t, D, generator=gen, device=DEV).to(BF16)
+        ref = rms_norm(x + r, nw, EPS)
+        variants = {
+            "torch add + rms_norm": lambda x=x, r=r: rms_norm(x + r, nw, EPS),
+            "add_rmsnorm": lambda x=x, r=r: add_rmsnorm(x, r, nw, EPS)[1],
+            "torch rms_norm (no add)": lambda x=x, r=r: rms_norm(x, nw, EPS),
+            "rmsnorm (no add)": lambda x=x, r=r: rmsnorm(x, nw, EPS),
+        }
+        for label, fn in variants.items():
+            base = {"op": "rmsnorm", "shape": f"({t}, {D})", "T": t, "config": label}
+            want = ref if "no add" not in label else rms_norm(x, nw, EPS)
+            attempt(rows, base, partial(rows_point, fn, want, 6 * t * D))
     return rows
 
 
