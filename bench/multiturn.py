@@ -50,6 +50,33 @@ def filler(engine, n_tokens: int, seed: int) -> str:
     return engine.tokenizer.decode(ids)
 
 
+def instrument(engine) -> list:
+    """Record each prefill segment (tokens, seconds, finite) and the cache lookup time."""
+    trace: list = []
+    runner, cache = engine.runner, engine.prefix_cache
+    prefill, acquire = runner.prefill, cache.acquire
+
+    def timed_prefill(ids, state):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = prefill(ids, state)
+        torch.cuda.synchronize()
+        trace.append(("prefill", len(ids), round(time.perf_counter() - t0, 4),
+                      bool(torch.isfinite(out).all())))  # fmt: skip
+        return out
+
+    def timed_acquire(prompt, state):
+        t0 = time.perf_counter()
+        r = acquire(prompt, state)
+        torch.cuda.synchronize()
+        trace.append(("acquire", r, round(time.perf_counter() - t0, 4)))
+        return r
+
+    runner.prefill = timed_prefill
+    cache.acquire = timed_acquire
+    return trace
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--turns", type=int, default=10)
@@ -68,6 +95,7 @@ def main() -> None:
     for e in (warm, cold):
         list(e.generate(list(range(10, 10 + args.chunk + 17)), SamplingParams(max_tokens=2)))
         e.reset()
+    trace = instrument(warm)
     msgs = [{"role": "system", "content": "You are a coding agent. Use the tools."}]
     rows = []
     for turn in range(args.turns):
@@ -78,6 +106,8 @@ def main() -> None:
         row = {"turn": turn + 1, "prompt_tokens": len(ids), "cached_tokens": cached,
                "new_tokens": len(ids) - cached, "ttft_reused_s": t_warm, "ttft_cold_s": t_cold,
                "speedup": t_cold / t_warm}  # fmt: skip
+        row["trace"] = list(trace)
+        trace.clear()
         print(json.dumps(row), flush=True)
         rows.append(row)
         msgs.append({"role": "assistant", "content": reply})
