@@ -72,7 +72,28 @@ def instrument(engine) -> list:
         trace.append(("acquire", r, round(time.perf_counter() - t0, 4)))
         return r
 
+    decode = runner.decode
+
+    def checked_decode(tok, state):
+        out = decode(tok, state)
+        if not bool(torch.isfinite(out).all()):
+            trace.append(("decode-nonfinite", state.length))
+        return out
+
+    snaps = runner.prefill_snapshots
+
+    def timed_snaps(ids, state, points):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out, sn = snaps(ids, state, points)
+        torch.cuda.synchronize()
+        trace.append(("prefill", len(ids), len(sn), round(time.perf_counter() - t0, 4),
+                      bool(torch.isfinite(out).all())))  # fmt: skip
+        return out, sn
+
     runner.prefill = timed_prefill
+    runner.decode = checked_decode
+    runner.prefill_snapshots = timed_snaps
     cache.acquire = timed_acquire
     return trace
 
@@ -107,7 +128,11 @@ def main() -> None:
     for turn in range(args.turns):
         msgs.append({"role": "user", "content": filler(warm, args.turn_tokens, turn)})
         ids = warm.encode_chat(msgs, enable_thinking=True)
-        t_warm, reply, cached = ttft(warm, ids, args.reply_tokens)
+        try:
+            t_warm, reply, cached = ttft(warm, ids, args.reply_tokens)
+        except ValueError as e:  # record where it broke, then stop
+            print(json.dumps({"turn": turn + 1, "error": str(e), "trace": list(trace)}))
+            break
         t_cold, _, _ = ttft(cold, ids, 1)
         row = {"turn": turn + 1, "prompt_tokens": len(ids), "cached_tokens": cached,
                "new_tokens": len(ids) - cached, "ttft_reused_s": t_warm, "ttft_cold_s": t_cold,

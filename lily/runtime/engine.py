@@ -160,12 +160,9 @@ class Engine:
         if usage is not None:
             usage.cached_tokens = start
         cuts = PrefixCache.snapshot_points(prompt, start, self.boundary_ids) if reuse else []
-        pos, logits = start, None
-        for cut in [*cuts, len(prompt)]:
-            logits = self.runner.prefill(prompt[pos:cut], self.state)
-            pos = cut
-            if cut < len(prompt):
-                self.prefix_cache.save(cut, self.state)
+        logits, snaps = self.runner.prefill_snapshots(prompt[start:], self.state, cuts)
+        for pos, snap in sorted(snaps.items()):
+            self.prefix_cache.save(pos, snap)
         return logits
 
     def reset(self) -> None:

@@ -39,6 +39,24 @@ class Runner:
     def decode(self, token_id: int, state) -> torch.Tensor:  # logits (V,)
         raise NotImplementedError
 
+    def prefill_snapshots(
+        self, ids: list[int], state, points: list[int]
+    ) -> tuple[torch.Tensor, dict[int, dict]]:
+        """Prefill ``ids`` and return the DeltaNet states at absolute positions ``points``.
+
+        This version prefills the pieces between the points separately; runners that can
+        copy the state out in the middle of a chunk override it.
+        """
+        snaps, logits = {}, None
+        origin = pos = state.length
+        end = origin + len(ids)
+        for cut in [*[p for p in points if origin < p < end], end]:
+            logits = self.prefill(ids[pos - origin : cut - origin], state)
+            pos = cut
+            if cut < end:
+                snaps[cut] = state.snapshot_recurrent()
+        return logits, snaps
+
 
 class ReferenceRunner(Runner):
     """The plain-PyTorch forward, prefilling in chunks of ``chunk`` tokens."""

@@ -25,6 +25,7 @@ from lily.ops.qgemm import qgemm
 from lily.ops.qgemv import qgemv
 from lily.quant import QuantWeight, Weight
 from lily.runtime.generate import Runner
+from lily.runtime.state import DeltaNetState
 
 # Rows at or below this run through the GEMV kernel (it handles up to 8 rows).
 _GEMV_ROWS = 8
@@ -188,8 +189,17 @@ class GpuRunner(Runner):
         return moe_decode(h, *args, top_k=cfg.num_experts_per_tok, residual=x)
 
     # ---- one forward over T tokens (T = 1 is the decode step)
-    def _forward(self, ids: torch.Tensor, state, start: int | torch.Tensor, max_len: int
-                 ) -> torch.Tensor:  # fmt: skip
+    def _forward(
+        self,
+        ids: torch.Tensor,
+        state,
+        start: int | torch.Tensor,
+        max_len: int,
+        cuts: tuple[int, ...] = (),
+        snaps: dict | None = None,
+    ) -> torch.Tensor:
+        """Logits of the last of T tokens; with ``cuts`` (offsets inside the chunk), the
+        DeltaNet states at those offsets are copied into ``snaps`` (keyed by position)."""
         cfg, p = self.cfg, self.p
         eps = cfg.rms_norm_eps
         t_len = ids.shape[0]
@@ -207,8 +217,21 @@ class GpuRunner(Runner):
                         p[d + "norm"], st.recurrent, eps)  # fmt: skip
                 if t_len == 1:
                     o = deltanet_decode(qkv[0], z[0], b[0], a[0], *args, workspace=self.ws)[None]
-                else:
+                elif not cuts:
                     o = deltanet_prefill(qkv, z, b, a, *args)
+                else:
+                    # The scan runs piece by piece so the state can be copied out at each
+                    # cut; everything else in the layer still sees the whole chunk.
+                    outs, lo = [], 0
+                    for hi in [*cuts, t_len]:
+                        sl = slice(lo, hi)
+                        outs.append(deltanet_prefill(qkv[sl], z[sl], b[sl], a[sl], *args))
+                        if hi < t_len:
+                            snaps.setdefault(start + hi, {})[i] = DeltaNetState(
+                                st.conv.clone(), st.recurrent.clone()
+                            )
+                        lo = hi
+                    o = torch.cat(outs)
                 x = linear(o, p[d + "out_proj"], residual=x)
             else:
                 at, kv = pre + "attn.", state.kv[i]
@@ -229,21 +252,31 @@ class GpuRunner(Runner):
 
     # ---- Runner
     def prefill(self, ids: list[int], state) -> torch.Tensor:
-        logits = None
+        return self.prefill_snapshots(ids, state, [])[0]
+
+    def prefill_snapshots(
+        self, ids: list[int], state, points: list[int]
+    ) -> tuple[torch.Tensor, dict[int, dict]]:
+        """Chunked prefill; DeltaNet states at ``points`` are copied out mid-chunk."""
+        logits, snaps = None, {}
         with torch.inference_mode():
             for i in range(0, len(ids), self.chunk):
                 part = ids[i : i + self.chunk]
                 start = state.length
+                end = start + len(part)
+                cuts = tuple(p - start for p in points if start < p < end)
                 for c in state.kv.values():
-                    c.ensure(start + len(part))
+                    c.ensure(end)
                 state.busy = True
                 t = torch.tensor(part, dtype=torch.long, device=self.dev)
-                logits = self._forward(t, state, start, start + len(part))
-                state.length = start + len(part)
+                logits = self._forward(t, state, start, end, cuts, snaps)
+                state.length = end
                 state.tokens.extend(part)
                 state.busy = False
+                if end in points:  # a point on a chunk boundary
+                    snaps[end] = state.snapshot_recurrent()
         assert logits is not None, "prefill needs at least one token"
-        return logits
+        return logits, snaps
 
     def decode(self, token_id: int, state) -> torch.Tensor:
         start = state.length

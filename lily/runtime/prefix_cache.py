@@ -150,9 +150,10 @@ class PrefixCache:
         """Positions in (start, len(prompt)) where a turn starts: state before that token."""
         return [p for p in range(start + 1, len(prompt)) if prompt[p] in boundary_ids]
 
-    def save(self, pos: int, state: SessionState) -> None:
+    def save(self, pos: int, snap: Snap) -> None:
+        """Keep the DeltaNet state at ``pos`` of the live conversation."""
         assert self.live is not None
-        self.live.snaps[pos] = state.snapshot_recurrent()
+        self.live.snaps[pos] = snap
         self.evict()
 
     # ---- budget

@@ -11,7 +11,6 @@ from lily.model.model import Model
 from lily.runtime.state import SessionState
 from lily.weights import load_params
 
-
 # The same reference tests run on the GPU when there is one.
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -73,3 +73,22 @@ def test_kernel_runner_matches_reference(models, graphs):
         top2 = want[i].topk(2).values
         if float(top2[0] - top2[1]) > 0.05:
             assert int(want[i].argmax()) == t, f"step {i}"
+
+
+def test_snapshots_in_the_middle_of_a_chunk(models):
+    """States copied out mid-chunk equal those of prefilling up to each point."""
+    ref, fast = models
+    runner = GpuRunner(fast, chunk=16, use_graphs=False)
+    prompt = [7, 300, 12, 45, 99, 1, 250, 31, 8, 77, 400, 5, 6, 140, 141, 142, 9, 3, 21]
+    points = [5, 16, 18]  # inside the first chunk, on its boundary, inside the second
+    st = SessionState.new(fast.cfg, DEVICE, torch.bfloat16, 64, initial_capacity=64)
+    logits, snaps = runner.prefill_snapshots(prompt, st, points)
+    assert sorted(snaps) == points
+    for p in points:
+        rs = SessionState.new(ref.cfg, DEVICE, torch.float32, 64)
+        ref.forward(torch.tensor(prompt[:p], device=DEVICE), rs)
+        for i, want in rs.deltanet.items():
+            assert rel(snaps[p][i].recurrent, want.recurrent) <= TOL, (p, i)
+            assert rel(snaps[p][i].conv.float(), want.conv) <= TOL, (p, i)
+    rs = SessionState.new(ref.cfg, DEVICE, torch.float32, 64)
+    assert rel(logits, ref.forward(torch.tensor(prompt, device=DEVICE), rs)[0]) <= TOL

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from lily.config import EngineConfig
 from lily.runtime.engine import Engine
@@ -55,6 +54,7 @@ def test_multi_turn_reuse_equals_cold(engines, think):
     tok = warm.tokenizer
     msgs = [{"role": "system", "content": "You are terse."},
             {"role": "user", "content": "Name a colour."}]  # fmt: skip
+    prev_ids: list[int] = []
     prev_len = 0
     for turn in range(4):
         ids = warm.encode_chat(msgs, enable_thinking=think)
