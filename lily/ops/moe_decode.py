@@ -7,16 +7,16 @@ weight loads at once (whole K per program), before any reduction:
    (row E of the logits) and the shared expert's gate/up with ``silu(gate) * up`` (h row k):
    the shared expert does not depend on the routing, so it rides in the router's launch;
 2. ``_moe_gate_up_kernel``, grid (k slots x I blocks): every program reads the E logits and
-   takes the top-k itself (a few microseconds of arithmetic, no ticket or extra launch),
-   then both projections of its slot's expert, ``silu(gate) * up`` into h (k+1, I) fp32
-   (stays in L2); program 0 also writes the k (expert, weight) pairs for launch 3;
+   takes the top-k itself (bitonic, under a microsecond; no ticket, no extra launch), then
+   both projections of its slot's expert, ``silu(gate) * up`` into h (k+1, I) fp32 (stays
+   in L2); program 0 also writes the k (expert, weight) pairs for launch 3;
 3. ``_moe_down_kernel``, grid (D blocks,): a program owns its output rows across all slots,
    loading the k experts' tiles as one (k, rows, words) block; routing weights, the shared
    gate ``sigmoid(logit)`` and the residual are applied in registers, the row written once.
 
 With ``norm_weight`` every program of launches 1 and 2 computes ``rmsnorm(x) * norm_weight``
-itself (x is 2048 values), so the layer's post-attention norm costs no launch.
-
+itself (x is 2048 values), so the layer's post-attention norm costs no launch. ``pdl``:
+programmatic dependent launch (see lily.ops.qgemv), constants loaded before the wait.
 Routing is NaN-proof: top-k runs on 64-bit integer keys (order-preserving bits of the logit,
 then the index), so a NaN or infinite logit still yields k distinct experts in range and a
 NaN output for that token, never an out-of-range expert id (an address).
@@ -387,8 +387,7 @@ def _check_shared(
 
 
 def _whole(k: int, group_size: int) -> int:
-    """BLOCK_G covering all of K in one step."""
-    return pow2(k // group_size)
+    return pow2(k // group_size)  # BLOCK_G covering all of K in one step
 
 
 def moe_decode(
