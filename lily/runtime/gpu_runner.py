@@ -203,6 +203,9 @@ class GpuRunner(Runner):
         cfg, p = self.cfg, self.p
         eps = cfg.rms_norm_eps
         t_len = ids.shape[0]
+        if t_len == 1 and isinstance(start, int):
+            # A one-token chunk takes the decode kernels, which read the position on device.
+            start = torch.tensor([start], dtype=torch.int32, device=self.dev)
         x = embedding(ids, p["embed_tokens"], self.model.dtype)
         for i, kind in enumerate(cfg.layer_types):
             pre = f"layers.{i}."

@@ -92,3 +92,15 @@ def test_snapshots_in_the_middle_of_a_chunk(models):
             assert rel(snaps[p][i].conv.float(), want.conv) <= TOL, (p, i)
     rs = SessionState.new(ref.cfg, DEVICE, torch.float32, 64)
     assert rel(logits, ref.forward(torch.tensor(prompt, device=DEVICE), rs)[0]) <= TOL
+
+
+def test_one_token_chunks(models):
+    """Prefill in chunks of one token (the decode kernels with a host position)."""
+    ref, fast = models
+    runner = GpuRunner(fast, chunk=1, use_graphs=False)
+    prompt = [7, 300]
+    st = SessionState.new(fast.cfg, DEVICE, torch.bfloat16, 64, initial_capacity=64)
+    logits = runner.prefill(prompt, st)
+    rs = SessionState.new(ref.cfg, DEVICE, torch.float32, 64)
+    assert st.length == 2
+    assert rel(logits, ref.forward(torch.tensor(prompt, device=DEVICE), rs)[0]) <= TOL
