@@ -86,7 +86,7 @@ def test_divergence_inside_an_old_turn(engines):
     ids = warm.encode_chat(edited)
     _, cached = assert_same(warm, cold, ids)
     old = warm.encode_chat(base)
-    diverge = next(i for i, (a, b) in enumerate(zip(ids, old)) if a != b)
+    diverge = next(i for i, (a, b) in enumerate(zip(ids, old, strict=False)) if a != b)
     assert cached <= diverge
 
 
@@ -105,8 +105,8 @@ def test_two_conversations_alternating(engines):
 
 def test_tiny_budget_evicts_but_stays_correct(hf_tiny_dir, engines):
     _, cold = engines
-    small = Engine.load(hf_tiny_dir, EngineConfig(prefill_chunk=16, max_context=4096,
-                                                  prefix_cache_gb=1e-9), progress=False)  # fmt: skip
+    cfg = EngineConfig(prefill_chunk=16, max_context=4096, prefix_cache_gb=1e-9)
+    small = Engine.load(hf_tiny_dir, cfg, progress=False)
     a = [{"role": "user", "content": "conversation A"}]
     b = [{"role": "user", "content": "conversation B"}]
     assert_same(small, cold, small.encode_chat(a))
