@@ -41,7 +41,7 @@ import torch  # noqa: E402
 # hand-offs that otherwise dominate on a small, shared CPU.
 torch.set_num_threads(1)
 
-from lily.checkpoint import TINY_TEXT_CONFIG
+from lily.checkpoint import TINY_TEXT_CONFIG  # noqa: E402
 
 SEED = 1234
 # Fake tensors of the official checkpoint that the text model does not use.
