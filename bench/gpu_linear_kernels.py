@@ -47,6 +47,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from lily.bench.measure import attempt, kernel_times
 from lily.model.norm import rms_norm
 from lily.ops.moe_decode import MoeDecodeConfig, moe_decode
 from lily.ops.moe_prefill import MoePrefillConfig, moe_prefill, moe_prefill_config
@@ -140,32 +141,6 @@ def cfg_str(cfg) -> str:
     if isinstance(cfg, MoePrefillConfig):
         return f"m{cfg.block_m} gu[{cfg_str(cfg.gate_up)}] dn[{cfg_str(cfg.down)}]"
     return str(cfg)
-
-
-def attempt(rows: list[dict], base: dict, fn) -> None:
-    """Measure one configuration; a failure becomes a row with its error, not a crash."""
-    try:
-        rows.append({**base, **fn()})
-    except Exception as e:  # noqa: BLE001 - any failure of one config is data
-        rows.append({**base, "error": f"{type(e).__name__}: {e}"[:300]})
-        print(f"  failed {base}: {rows[-1]['error']}", flush=True)
-
-
-def kernel_times(fn, reps: int = 5) -> dict[str, float]:
-    """Device time per kernel (us per call, torch.profiler over ``reps`` calls), or {}."""
-    try:
-        from torch.profiler import ProfilerActivity, profile
-
-        fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(reps):
-                fn()
-            torch.cuda.synchronize()
-        times = {e.key: e.self_device_time_total / reps for e in prof.key_averages()}
-        return {k[:48]: round(v, 2) for k, v in times.items() if v > 0}
-    except Exception as e:  # noqa: BLE001 - the breakdown is an extra; never fail for it
-        return {"error": f"{type(e).__name__}: {e}"[:200]}
 
 
 def rand_qweight(shape: tuple[int, ...], bits: int, gen: torch.Generator, gs: int = 64):
@@ -357,7 +332,7 @@ def decode_point(calls: list, check, ref, nbytes: float, floor_us: float) -> dic
     err = rel(check(), ref)
     us = graph_ms(calls) * 1e3
     return {"rel_err": err, "us": us, "GBps": nbytes / us / 1e3, "of_copy": floor_us / us,
-            "floor_us": floor_us, "kernels_us": kernel_times(calls[0])}  # fmt: skip
+            "floor_us": floor_us, "kernels_us": kernel_times(calls[0], key_width=48)}  # fmt: skip
 
 
 def decode_replay(args, xs, rs, nw) -> dict:

@@ -32,6 +32,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from lily.bench.measure import attempt, kernel_times
 from lily.ops.attention_decode import attention_decode, default_split
 from lily.ops.attention_prefill import attention_prefill
 from lily.ops.deltanet_decode import DeltaNetDecodeWorkspace, deltanet_decode
@@ -81,32 +82,6 @@ def graph_ms(fn) -> float:
     with torch.cuda.graph(graph):
         fn()
     return bench_ms(graph.replay)
-
-
-def attempt(rows: list[dict], base: dict, fn) -> None:
-    """Measure one configuration; a failure becomes a row with its error, not a crash."""
-    try:
-        rows.append({**base, **fn()})
-    except Exception as e:  # noqa: BLE001 - any failure of one config is data
-        rows.append({**base, "error": f"{type(e).__name__}: {e}"[:300]})
-        print(f"  failed {base}: {rows[-1]['error']}", flush=True)
-
-
-def kernel_breakdown(fn, reps: int = 3) -> dict[str, float]:
-    """Device time per kernel (us per call, torch.profiler over ``reps`` calls), or {}."""
-    try:
-        from torch.profiler import ProfilerActivity, profile
-
-        fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(reps):
-                fn()
-            torch.cuda.synchronize()
-        times = {e.key: e.self_device_time_total / reps for e in prof.key_averages()}
-        return {k: round(v, 2) for k, v in times.items() if v > 0}
-    except Exception as e:  # noqa: BLE001 - the breakdown is an extra; never fail for it
-        return {"error": f"{type(e).__name__}: {e}"[:200]}
 
 
 def ceilings() -> dict:
@@ -204,7 +179,7 @@ def dn_prefill(gen: torch.Generator) -> list[dict]:
             ms, ms_eager = graph_ms(call), bench_ms(call)
             return {"ms": ms, "ms_eager": ms_eager, "tok_per_s": t / ms * 1e3,
                     "ms_30_layers": 30 * ms, "rel_err": err,
-                    "kernels_us": kernel_breakdown(call)}  # fmt: skip
+                    "kernels_us": kernel_times(call)}  # fmt: skip
 
         for method, block_v in DN_PREFILL_CONFIGS:
             if method == "scan" and t > SCAN_ALL_UP_TO and block_v != DN_PREFILL_CONFIGS[0][1]:
@@ -262,7 +237,7 @@ def attn_decode(gen: torch.Generator, copy_gbs: float) -> list[dict]:
             gbs = nbytes / us / 1e3
             row = {"us_per_layer": us, "GBps": gbs, "frac_copy": gbs / copy_gbs, "rel_err": err}
             if split == default_split(ctx):  # which of the two kernels costs what
-                row["kernels_us"] = kernel_breakdown(
+                row["kernels_us"] = kernel_times(
                     lambda: attention_decode(*attn_args(layers[0], 0), pos, inv_freq, **kw)
                 )
             return row
@@ -297,7 +272,7 @@ def attn_prefill(gen: torch.Generator, mm_tflops: float) -> list[dict]:
             tflops = flops / ms / 1e9
             return {"ms": ms, "ms_eager": ms_eager, "TFLOPs": tflops,
                     "frac_matmul": tflops / mm_tflops, "rel_err": err,
-                    "kernels_us": kernel_breakdown(call)}  # fmt: skip
+                    "kernels_us": kernel_times(call)}  # fmt: skip
 
         for bm, bn, warps in ATTN_PREFILL_CONFIGS:
             base = {"op": "attn_prefill", "T": t, "start": start, "block_m": bm, "block_n": bn,

@@ -260,3 +260,32 @@ def expert_load(engine, ids: list[int]) -> dict:
         "per_layer_max_over_mean": (c.max(1).values / mean).round(decimals=3).tolist(),
         "counts": counts.tolist(),
     }
+
+
+# ---- kernel benchmark helpers (bench/gpu_*_kernels.py)
+
+
+def attempt(rows: list[dict], base: dict, fn) -> None:
+    """Measure one configuration; a failure becomes a row with its error, not a crash."""
+    try:
+        rows.append({**base, **fn()})
+    except Exception as e:  # noqa: BLE001 - any failure of one config is data
+        rows.append({**base, "error": f"{type(e).__name__}: {e}"[:300]})
+        print(f"  failed {base}: {rows[-1]['error']}", flush=True)
+
+
+def kernel_times(fn, reps: int = 5, key_width: int | None = None) -> dict[str, float]:
+    """Device time per kernel (us per call, torch.profiler over ``reps`` calls), or {}."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize()
+        times = {e.key: e.self_device_time_total / reps for e in prof.key_averages()}
+        return {k[:key_width]: round(v, 2) for k, v in times.items() if v > 0}
+    except Exception as e:  # noqa: BLE001 - the breakdown is an extra; never fail for it
+        return {"error": f"{type(e).__name__}: {e}"[:200]}
