@@ -26,6 +26,10 @@ from lily.tokenizer import Tokenizer
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class PrefillCancelled(Exception):
+    """The request was cancelled between prefill chunks."""
+
+
 class ContextLengthError(ValueError):
     """A prompt (plus the tokens asked for) does not fit in the context window."""
 
@@ -124,7 +128,11 @@ class Engine:
             return
         prompt = list(prompt_ids)
         try:
-            logits = self.prefill(prompt, usage)
+            try:
+                logits = self.prefill(prompt, usage, cancelled)
+            except PrefillCancelled:
+                yield StepOutput(None, "", finish_reason="cancelled")
+                return
             yield from decode_loop(
                 self.runner,
                 self.tokenizer,
@@ -145,11 +153,18 @@ class Engine:
             raise
 
     @torch.inference_mode()
-    def prefill(self, prompt: list[int], usage: Usage | None = None) -> torch.Tensor:
+    def prefill(
+        self,
+        prompt: list[int],
+        usage: Usage | None = None,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> torch.Tensor:
         """Bring the working state to the end of ``prompt``, reusing what it can.
 
         Returns the logits of the last prompt token. Snapshots are saved before every turn
-        start in the newly prefilled part, so the next request can resume there.
+        start in the newly prefilled part, so the next request can resume there. Between
+        chunks ``cancelled`` is checked (PrefillCancelled), so a client that leaves during
+        a long prompt frees the engine within one chunk.
         """
         reuse = self.engine_cfg.prefix_cache_gb > 0
         if reuse:
@@ -160,9 +175,19 @@ class Engine:
         if usage is not None:
             usage.cached_tokens = start
         cuts = PrefixCache.snapshot_points(prompt, start, self.boundary_ids) if reuse else []
-        logits, snaps = self.runner.prefill_snapshots(prompt[start:], self.state, cuts)
-        for pos, snap in sorted(snaps.items()):
-            self.prefix_cache.save(pos, snap)
+        chunk = max(1, self.engine_cfg.prefill_chunk)
+        pos, logits = start, None
+        while pos < len(prompt):
+            if logits is not None and cancelled():
+                raise PrefillCancelled
+            end = min(pos + chunk, len(prompt))
+            inner = [c for c in cuts if pos < c < end]
+            logits, snaps = self.runner.prefill_snapshots(prompt[pos:end], self.state, inner)
+            if end in cuts:  # a turn start right on a chunk boundary
+                snaps[end] = self.state.snapshot_recurrent()
+            for p, snap in sorted(snaps.items()):
+                self.prefix_cache.save(p, snap)
+            pos = end
         return logits
 
     def reset(self) -> None:

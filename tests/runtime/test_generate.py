@@ -89,3 +89,23 @@ def test_cancel_stops_within_one_step(engine):
 def test_prompt_over_the_window_is_refused(engine):
     with pytest.raises(ContextLengthError, match="maximum context length is 256 tokens"):
         list(engine.generate(list(range(250)), SamplingParams(max_tokens=10)))
+
+
+def test_cancel_during_prefill_stops_between_chunks(engine):
+    chunks = []
+    orig = engine.runner.prefill_snapshots
+
+    def counting(ids, state, points):
+        chunks.append(len(ids))
+        return orig(ids, state, points)
+
+    engine.runner.prefill_snapshots = counting
+    try:
+        steps = list(engine.generate(list(range(3, 43)), SamplingParams(max_tokens=5),
+                                     cancelled=lambda: len(chunks) >= 2))  # fmt: skip
+    finally:
+        engine.runner.prefill_snapshots = orig
+    assert [s.finish_reason for s in steps] == ["cancelled"]
+    assert chunks == [5, 5]  # 40 prompt tokens in chunks of 5: stopped after the second
+    ids, _ = collect(engine, [3, 50, 7], temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert ids == greedy_reference(engine, [3, 50, 7], 4)
