@@ -8,8 +8,6 @@ so attention's grid fits the context and long contexts take the split-KV kernel.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import torch.nn.functional as F
 
@@ -20,6 +18,8 @@ from lily.ops.attention_decode import attention_decode
 from lily.ops.attention_prefill import attention_prefill
 from lily.ops.deltanet_decode import DeltaNetDecodeWorkspace, deltanet_decode
 from lily.ops.deltanet_prefill import deltanet_prefill
+from lily.ops.moe_decode import moe_decode
+from lily.ops.moe_prefill import moe_prefill
 from lily.ops.norm_rope import rope_inv_freq
 from lily.ops.qgemm import qgemm
 from lily.ops.qgemv import qgemv
@@ -47,19 +47,15 @@ def linear(x: torch.Tensor, w: Weight, residual: torch.Tensor | None = None,
     return y if residual is None else y + residual
 
 
+MOE_WEIGHTS = ("router", "gate_proj", "up_proj", "down_proj", "shared_gate_proj",
+               "shared_up_proj", "shared_down_proj", "shared_expert_gate")  # fmt: skip
+
+
 def moe(p: dict, pre: str, h: torch.Tensor, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """``x + moe(h)`` for h, x (T, D), with routing on the GPU."""
-    args = (
-        p[pre + "router"], p[pre + "gate_proj"], p[pre + "up_proj"], p[pre + "down_proj"],
-        p[pre + "shared_gate_proj"], p[pre + "shared_up_proj"], p[pre + "shared_down_proj"],
-        p[pre + "shared_expert_gate"],
-    )  # fmt: skip
+    args = [p[pre + n] for n in MOE_WEIGHTS]
     if h.shape[0] == 1:
-        from lily.ops.moe_decode import moe_decode
-
         return moe_decode(h[0], *args, top_k=cfg.num_experts_per_tok, residual=x[0])[None]
-    from lily.ops.moe_prefill import moe_prefill
-
     return moe_prefill(h, *args, top_k=cfg.num_experts_per_tok, residual=x)
 
 
@@ -114,8 +110,6 @@ class GpuRunner(Runner):
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.tok = torch.zeros(1, dtype=torch.long, device=self.dev)
         self.pos = torch.zeros(1, dtype=torch.int32, device=self.dev)
-        # Kernels that take the RMSNorm weight fuse the norm into their prologue.
-        self.norm_in_gemv = "norm_weight" in inspect.signature(qgemv).parameters
         self.fused = self._fuse_projections()
 
     def _fuse_projections(self) -> dict[int, tuple[Weight, list[int]]]:
@@ -138,13 +132,12 @@ class GpuRunner(Runner):
     def _project(self, i: int, x: torch.Tensor, norm_w: torch.Tensor, eps: float,
                  names: tuple[str, ...], sub: str) -> list[torch.Tensor]:  # fmt: skip
         """The layer's input projections of rmsnorm(x) for one token: (N,) each."""
-        if i in self.fused and self.norm_in_gemv:
-            w, sizes = self.fused[i]
-            return list(qgemv(x, w, norm_weight=norm_w, eps=eps).split(sizes))
-        h = rms_norm(x, norm_w, eps)
         if i in self.fused:
             w, sizes = self.fused[i]
-            return list(linear(h, w).split(sizes))
+            if isinstance(w, QuantWeight):  # the norm rides in the GEMV's prologue
+                return list(qgemv(x, w, norm_weight=norm_w, eps=eps).split(sizes))
+            return list(linear(rms_norm(x, norm_w, eps), w).split(sizes))
+        h = rms_norm(x, norm_w, eps)
         return [linear(h, self.p[f"layers.{i}.{sub}{n}"]) for n in names]
 
     def _decode_forward(self, ids: torch.Tensor, state, pos: torch.Tensor, max_len: int
@@ -168,25 +161,13 @@ class GpuRunner(Runner):
                 o = attention_decode(*parts, p[at + "q_norm"], p[at + "k_norm"], kv.k, kv.v,
                                      pos, self.inv_freq, eps, max_len=max_len)  # fmt: skip
                 x = linear(o, p[at + "o_proj"], residual=x)
-            x = self._moe_decode(pre, x)
-        if self.norm_in_gemv:
+            # The post-attention norm is fused into the MoE's prologue; x stays the residual.
+            x = moe_decode(x, *[p[pre + "moe." + n] for n in MOE_WEIGHTS],
+                           top_k=cfg.num_experts_per_tok, residual=x,
+                           norm_weight=p[pre + "post_norm"], eps=eps)  # fmt: skip
+        if isinstance(p["lm_head"], QuantWeight):
             return qgemv(x, p["lm_head"], norm_weight=p["norm"], eps=eps, out_dtype=torch.float32)
         return linear(rms_norm(x, p["norm"], eps), p["lm_head"], out_dtype=torch.float32)
-
-    def _moe_decode(self, pre: str, x: torch.Tensor) -> torch.Tensor:
-        from lily.ops.moe_decode import moe_decode
-
-        p, cfg = self.p, self.cfg
-        m = pre + "moe."
-        args = [p[m + n] for n in ("router", "gate_proj", "up_proj", "down_proj",
-                                   "shared_gate_proj", "shared_up_proj", "shared_down_proj",
-                                   "shared_expert_gate")]  # fmt: skip
-        norm_w = p[pre + "post_norm"]
-        if "norm_weight" in inspect.signature(moe_decode).parameters:
-            return moe_decode(x, *args, top_k=cfg.num_experts_per_tok, residual=x,
-                              norm_weight=norm_w, eps=cfg.rms_norm_eps)  # fmt: skip
-        h = rms_norm(x, norm_w, cfg.rms_norm_eps)
-        return moe_decode(h, *args, top_k=cfg.num_experts_per_tok, residual=x)
 
     # ---- one forward over T tokens (T = 1 is the decode step)
     def _forward(
