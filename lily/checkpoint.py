@@ -281,7 +281,7 @@ def write_random_checkpoint(
     text_config = complete_text_config(text_config)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    from lily.tokenizer import write_test_tokenizer  # lazy: a heavier import
+    from lily.tokenizer_files import write_test_tokenizer  # lazy: a heavier import
 
     write_test_tokenizer(out, int(text_config["vocab_size"]))
     ids = _special_ids(out)

@@ -50,7 +50,7 @@ MTP_KEYS = {"mtp.fc.weight": (128, 256), "mtp.norm.weight": (128,)}
 
 
 def _write_tokenizer(d: Path, vocab_size: int) -> None:
-    from lily.tokenizer import write_test_tokenizer
+    from lily.tokenizer_files import write_test_tokenizer
 
     write_test_tokenizer(d, vocab_size)
 

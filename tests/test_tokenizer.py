@@ -19,8 +19,8 @@ from lily.tokenizer import (
     IncrementalDetokenizer,
     Tokenizer,
     TokenizerError,
-    write_test_tokenizer,
 )
+from lily.tokenizer_files import write_test_tokenizer
 
 TEXTS = [
     "Hello, world! The engine reads the weights once per token.",

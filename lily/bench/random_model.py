@@ -227,7 +227,7 @@ def save_mlx_checkpoint(
     from safetensors.torch import save_file
 
     from lily.checkpoint import make_config
-    from lily.tokenizer import write_test_tokenizer
+    from lily.tokenizer_files import write_test_tokenizer
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -288,7 +288,8 @@ def engine_from_params(
 ):
     """An ``Engine`` over in-memory parameters (with a small test tokenizer)."""
     from lily.runtime.engine import Engine
-    from lily.tokenizer import Tokenizer, write_test_tokenizer
+    from lily.tokenizer import Tokenizer
+    from lily.tokenizer_files import write_test_tokenizer
 
     d = _TOKENIZER_DIRS.get(cfg.vocab_size)
     if d is None:

@@ -11,7 +11,8 @@ import torch
 from lily.server.grammar import GrammarCompiler, json_grammar, tool_grammar
 from lily.server.protocol import ApiError
 from lily.server.tools import ToolCallParser
-from lily.tokenizer import Tokenizer, write_test_tokenizer
+from lily.tokenizer import Tokenizer
+from lily.tokenizer_files import write_test_tokenizer
 
 V = 512  # the tiny model's vocabulary (the tokenizer's ids all fit below it)
 
