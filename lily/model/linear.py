@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lily.quant import QuantWeight, Weight, dequantize
+from lily.quant import Weight, dequantize
 
 # Dequantize big matrices (the lm_head is 248320 rows) in row blocks so the dense copy
 # never exists whole.
@@ -28,11 +28,3 @@ def embedding(ids: torch.Tensor, w: Weight, dtype: torch.dtype) -> torch.Tensor:
         return w[ids].to(dtype)
     return dequantize(w[ids], dtype)
 
-
-def expert_weight(w: Weight, e: int) -> Weight:
-    """Expert ``e`` of a stacked (E, N, K) weight."""
-    return w[e]
-
-
-def is_quantized(w: Weight) -> bool:
-    return isinstance(w, QuantWeight)
