@@ -76,14 +76,6 @@ def fuse_rows(ws: list[Weight]) -> Weight | None:
     return None
 
 
-def _row_view(w: Weight, a: int, b: int) -> Weight:
-    return (
-        w[a:b]
-        if isinstance(w, torch.Tensor)
-        else QuantWeight(w.qweight[a:b], w.scales[a:b], w.biases[a:b], w.bits, w.group_size)
-    )
-
-
 # The projections that read the same normed input: one GEMV each in decode.
 FUSED = {
     "linear_attention": ("dn.", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")),
@@ -124,7 +116,7 @@ class GpuRunner(Runner):
             sizes = [self.p[k].shape[-2] for k in keys]
             start = 0
             for k, n in zip(keys, sizes, strict=True):
-                self.p[k] = _row_view(w, start, start + n)  # frees the separate copies
+                self.p[k] = w[start : start + n]  # row views: frees the separate copies
                 start += n
             fused[i] = (w, sizes)
         return fused
