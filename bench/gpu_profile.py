@@ -126,6 +126,28 @@ def profile_decode(engine, context: int) -> dict:
             "by_kind_us": split(kt), "top_kernels_us": top(kt, 16)}  # fmt: skip
 
 
+def host_profile(engine, n: int, reps: int = 3) -> str:
+    """cProfile of the host side of ``reps`` prefills of n tokens: where launch time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    runner = engine.runner
+    ids = pseudo_text_ids(n, engine.cfg.vocab_size, seed=n)
+    states = [engine.new_state() for _ in range(reps + 1)]
+    runner.prefill(ids, states[-1])
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for st in states[:reps]:
+        runner.prefill(ids, st)
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+    return buf.getvalue()
+
+
 def poison_allocator(frac: float = 0.8) -> None:
     free, _ = torch.cuda.mem_get_info()
     n = int(free * frac) // 2
@@ -170,6 +192,7 @@ def main() -> None:
     ap.add_argument("--decode-context", default="256")
     ap.add_argument("--poison", default="12970", help="prompt lengths to run on dirty memory")
     ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--host", type=int, default=0, help="cProfile the host side at this T")
     ap.add_argument("--out")
     args = ap.parse_args()
     cfg = model_config("full")
@@ -185,6 +208,9 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1)
 
+    if args.host:
+        res["host_profile"] = host_profile(eng, args.host)
+        print(res["host_profile"][:6000], flush=True)
     for n in [int(x) for x in args.prefill.split(",") if x]:
         res["prefill"].append(profile_prefill(eng, n))
         dump()

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 
 from lily.config import ModelConfig
 from lily.model.linear import embedding
-from lily.model.norm import rms_norm
 from lily.ops.attention_decode import attention_decode
 from lily.ops.attention_prefill import attention_prefill
 from lily.ops.deltanet_decode import DeltaNetDecodeWorkspace, deltanet_decode
@@ -23,6 +22,7 @@ from lily.ops.moe_prefill import moe_prefill
 from lily.ops.norm_rope import rope_inv_freq
 from lily.ops.qgemm import qgemm
 from lily.ops.qgemv import qgemv
+from lily.ops.rmsnorm import add_rmsnorm, rmsnorm
 from lily.quant import QuantWeight, Weight
 from lily.runtime.generate import Runner
 from lily.runtime.state import DeltaNetState
@@ -45,6 +45,16 @@ def linear(x: torch.Tensor, w: Weight, residual: torch.Tensor | None = None,
         if out_dtype is not None:
             y = y.to(out_dtype)
     return y if residual is None else y + residual
+
+
+def residual_norm(o: torch.Tensor, w: Weight, x: torch.Tensor, norm_w: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``x + o @ w.T`` and its RMSNorm. The GEMV (few rows) adds the residual before its
+    one rounding; after a GEMM the add and the norm share one launch."""
+    if isinstance(w, QuantWeight) and o.shape[0] > _GEMV_ROWS:
+        return add_rmsnorm(linear(o, w), x, norm_w, eps)
+    x = linear(o, w, residual=x)
+    return x, rmsnorm(x, norm_w, eps)
 
 
 MOE_WEIGHTS = ("router", "gate_proj", "up_proj", "down_proj", "shared_gate_proj",
@@ -128,8 +138,8 @@ class GpuRunner(Runner):
             w, sizes = self.fused[i]
             if isinstance(w, QuantWeight):  # the norm rides in the GEMV's prologue
                 return list(qgemv(x, w, norm_weight=norm_w, eps=eps).split(sizes))
-            return list(linear(rms_norm(x, norm_w, eps), w).split(sizes))
-        h = rms_norm(x, norm_w, eps)
+            return list(linear(rmsnorm(x, norm_w, eps), w).split(sizes))
+        h = rmsnorm(x, norm_w, eps)
         return [linear(h, self.p[f"layers.{i}.{sub}{n}"]) for n in names]
 
     def _decode_forward(self, ids: torch.Tensor, state, pos: torch.Tensor, max_len: int
@@ -159,7 +169,7 @@ class GpuRunner(Runner):
                            norm_weight=p[pre + "post_norm"], eps=eps)  # fmt: skip
         if isinstance(p["lm_head"], QuantWeight):
             return qgemv(x, p["lm_head"], norm_weight=p["norm"], eps=eps, out_dtype=torch.float32)
-        return linear(rms_norm(x, p["norm"], eps), p["lm_head"], out_dtype=torch.float32)
+        return linear(rmsnorm(x, p["norm"], eps), p["lm_head"], out_dtype=torch.float32)
 
     # ---- one forward over T tokens (T = 1 is the decode step)
     def _forward(
@@ -182,7 +192,7 @@ class GpuRunner(Runner):
         x = embedding(ids, p["embed_tokens"], self.model.dtype)
         for i, kind in enumerate(cfg.layer_types):
             pre = f"layers.{i}."
-            h = rms_norm(x, p[pre + "input_norm"], eps)
+            h = rmsnorm(x, p[pre + "input_norm"], eps)
             if kind == "linear_attention":
                 d, st = pre + "dn.", state.deltanet[i]
                 qkv = linear(h, p[d + "in_proj_qkv"])
@@ -208,7 +218,7 @@ class GpuRunner(Runner):
                             )
                         lo = hi
                     o = torch.cat(outs)
-                x = linear(o, p[d + "out_proj"], residual=x)
+                out_w = p[d + "out_proj"]
             else:
                 at, kv = pre + "attn.", state.kv[i]
                 qg = linear(h, p[at + "q_proj"])
@@ -220,10 +230,10 @@ class GpuRunner(Runner):
                                          max_len=max_len)[None]  # fmt: skip
                 else:
                     o = attention_prefill(qg, k, v, *norms, start, self.inv_freq, eps)
-                x = linear(o, p[at + "o_proj"], residual=x)
-            h = rms_norm(x, p[pre + "post_norm"], eps)
+                out_w = p[at + "o_proj"]
+            x, h = residual_norm(o, out_w, x, p[pre + "post_norm"], eps)
             x = moe(p, pre + "moe.", h, x, cfg)
-        h = rms_norm(x[-1:], p["norm"], eps)
+        h = rmsnorm(x[-1:], p["norm"], eps)
         return linear(h, p["lm_head"], out_dtype=torch.float32)[0]
 
     # ---- Runner
