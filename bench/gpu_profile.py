@@ -226,8 +226,11 @@ def main() -> None:
         logits = eng.runner.prefill(ids, st)
         bad = int((~torch.isfinite(logits)).sum())
         nxt = eng.runner.decode(int(torch.nan_to_num(logits).argmax()), st)
-        row = {"tokens": n, "nonfinite_logits": bad,
-               "nonfinite_after_decode": int((~torch.isfinite(nxt)).sum())}
+        row = {
+            "tokens": n,
+            "nonfinite_logits": bad,
+            "nonfinite_after_decode": int((~torch.isfinite(nxt)).sum()),
+        }
         if bad:
             row["first_nonfinite_op"] = locate(eng, ids)
         res["poison"].append(row)

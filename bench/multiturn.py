@@ -133,7 +133,11 @@ def main() -> None:
         except ValueError as e:  # record where it broke, then stop
             print(json.dumps({"turn": turn + 1, "error": str(e), "trace": list(trace)}))
             break
-        t_cold, _, _ = ttft(cold, ids, 1)
+        try:
+            t_cold, _, _ = ttft(cold, ids, 1)
+        except ValueError as e:  # record it and go on: the reused side still counts
+            print(json.dumps({"turn": turn + 1, "cold_error": str(e)}), flush=True)
+            t_cold = float("nan")
         row = {"turn": turn + 1, "prompt_tokens": len(ids), "cached_tokens": cached,
                "new_tokens": len(ids) - cached, "ttft_reused_s": t_warm, "ttft_cold_s": t_cold,
                "speedup": t_cold / t_warm}  # fmt: skip

@@ -14,13 +14,14 @@ p is ``f = 1 + q * 2**(p - 23)``; ``w = s * q + b = S * f + (b - S)`` with
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from lily.ops.qgemv import _as_f, cast_to, check_weight, check_x, mask_lo, to_bf16
+from lily.ops.qgemv import _as_f, cast_to, cdiv, check_weight, check_x, mask_lo, to_bf16
 from lily.quant import QuantWeight
 
 Tensor = torch.Tensor
@@ -173,12 +174,19 @@ def block_m_for(rows: float) -> int:
     return 128
 
 
+@functools.lru_cache(maxsize=1024)  # tiles are pure functions of the shape
 def gemm_config(t: int, n: int, k: int, group_size: int) -> GemmConfig:
     """Tile for a shape (stand-in for a measured table; see docs/notes/linear_kernels.md)."""
     bm = block_m_for(t)
     bk = max(64, group_size)
     if bm >= 128:
-        return GemmConfig(128, 128, bk, num_warps=8, num_stages=3)
+        # Fill the 132 SMs: at T = 256 the 2048 x 4096 o_proj gets 32 programs from 128 x 128
+        # tiles and 128 from 64 x 64 (73 against 40 us, bench/results/tile_sweep_h200_run1.json).
+        if cdiv(t, 128) * cdiv(n, 128) >= 132:
+            return GemmConfig(128, 128, bk, num_warps=8, num_stages=3)
+        if cdiv(t, 128) * cdiv(n, 64) >= 132:
+            return GemmConfig(128, 64, bk, num_warps=4, num_stages=4)
+        return GemmConfig(64, 64, bk, num_warps=4, num_stages=3)
     if bm == 64:
         return GemmConfig(64, 128, bk, num_warps=8, num_stages=3)
     return GemmConfig(bm, 64, bk, num_warps=4, num_stages=3)

@@ -30,6 +30,8 @@ weight round trip behind the previous kernel's tail.
 
 from __future__ import annotations
 
+import functools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -328,6 +330,7 @@ def pow2(n: int) -> int:
 _STEP_WORDS = 4096  # packed words one program loads per K step (16 KB, 32 a thread)
 
 
+@functools.lru_cache(maxsize=1024)  # tiles are pure functions of the shape
 def gemv_config(n: int, k: int, t: int, bits: int, group_size: int) -> GemvConfig:
     """Tile for a shape (a stand-in for a measured table; see docs/notes/linear_kernels.md).
 
@@ -356,8 +359,21 @@ def gemv_config(n: int, k: int, t: int, bits: int, group_size: int) -> GemvConfi
     return GemvConfig(block_n, block_g, split, 4)
 
 
+# Weights already checked, by id (weak values: an entry leaves with its weight, so an id
+# is never reused while it is here). A prefill checks each weight hundreds of times.
+_CHECKED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
 def check_weight(w: QuantWeight, name: str, ndim: int) -> None:
-    """Clear errors for a packed weight the kernels cannot read."""
+    """Clear errors for a packed weight the kernels cannot read (once per weight object;
+    QuantWeights are not changed in place)."""
+    if isinstance(w, QuantWeight) and _CHECKED.get(id(w)) is w and w.qweight.dim() == ndim:
+        return
+    _check_weight(w, name, ndim)
+    _CHECKED[id(w)] = w
+
+
+def _check_weight(w: QuantWeight, name: str, ndim: int) -> None:
     if not isinstance(w, QuantWeight):
         raise TypeError(f"{name}: expected a QuantWeight, got {type(w).__name__}")
     if w.bits not in (4, 8):
