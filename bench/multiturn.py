@@ -98,6 +98,35 @@ def instrument(engine) -> list:
     return trace
 
 
+def check_ops(found: list) -> None:
+    """Wrap the kernel runner's ops: the first one to return a non-finite value is recorded
+    (op, layer call index, output and input shapes, whether its inputs were finite)."""
+    import lily.runtime.gpu_runner as gr
+
+    calls = [0]
+
+    def finite(t) -> bool:
+        if isinstance(t, (tuple, list)):
+            return all(finite(x) for x in t)
+        return not isinstance(t, torch.Tensor) or bool(torch.isfinite(t).all())
+
+    def wrap(name, fn):
+        def checked(*a, **k):
+            out = fn(*a, **k)
+            calls[0] += 1
+            if not found and not finite(out):
+                found.append({"op": name, "call": calls[0],
+                              "args_finite": [finite(x) for x in a],
+                              "shapes": [list(x.shape) for x in a if isinstance(x, torch.Tensor)]})  # fmt: skip
+            return out
+
+        return checked
+
+    for n in ("moe", "deltanet_prefill", "attention_prefill", "linear", "rmsnorm",
+              "residual_norm", "embedding"):  # fmt: skip
+        setattr(gr, n, wrap(n, getattr(gr, n)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--turns", type=int, default=10)
@@ -105,7 +134,27 @@ def main() -> None:
     ap.add_argument("--reply-tokens", type=int, default=32)
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--out")
+    ap.add_argument("--check", action="store_true", help="find the first op with a NaN")
+    ap.add_argument("--old-moe-tiles", action="store_true")
     args = ap.parse_args()
+    found: list = []
+    if args.check:
+        check_ops(found)
+    if args.old_moe_tiles:
+        import lily.ops.moe_prefill as mp
+        from lily.ops.qgemm import GemmConfig
+
+        table = mp.moe_prefill_config
+
+        def old(t, top_k, e):
+            c = table(t, top_k, e)
+            if c.block_m == 64:
+                return mp.MoePrefillConfig(64, GemmConfig(64, 128, 64, 8, 3), c.down)
+            if c.block_m == 128:
+                return mp.MoePrefillConfig(128, GemmConfig(128, 64, 64, 8, 3), c.down)
+            return c
+
+        mp.moe_prefill_config = old
     cfg = model_config("full")
     params = random_params(cfg, "cuda")
     common = dict(device="cuda", dtype="bfloat16", prefill_chunk=args.chunk, max_context=65536,
@@ -131,7 +180,8 @@ def main() -> None:
         try:
             t_warm, reply, cached = ttft(warm, ids, args.reply_tokens)
         except ValueError as e:  # record where it broke, then stop
-            print(json.dumps({"turn": turn + 1, "error": str(e), "trace": list(trace)}))
+            print(json.dumps({"turn": turn + 1, "error": str(e), "trace": list(trace),
+                              "first_nonfinite_op": found}))  # fmt: skip
             break
         try:
             t_cold, _, _ = ttft(cold, ids, 1)
@@ -142,6 +192,8 @@ def main() -> None:
                "new_tokens": len(ids) - cached, "ttft_reused_s": t_warm, "ttft_cold_s": t_cold,
                "speedup": t_cold / t_warm}  # fmt: skip
         row["trace"] = list(trace)
+        if found:
+            row["first_nonfinite_op"] = list(found)
         trace.clear()
         print(json.dumps(row), flush=True)
         rows.append(row)

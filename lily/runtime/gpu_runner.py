@@ -93,6 +93,16 @@ FUSED = {
 }
 
 
+def graph_key(state) -> tuple:
+    """What a captured step bakes in about the state: every buffer's address and the KV
+    capacity (the attention kernels' row stride). A freed cache's address can come back
+    with another capacity; replaying a graph captured for the old one then reads and
+    writes KV rows at the wrong stride (seen as random NaNs in multi-turn runs)."""
+    key = tuple((c.k.data_ptr(), c.v.data_ptr(), tuple(c.k.shape)) for c in state.kv.values())
+    return key + tuple((s.recurrent.data_ptr(), s.conv.data_ptr(), tuple(s.recurrent.shape))
+                       for s in state.deltanet.values())  # fmt: skip
+
+
 class GpuRunner(Runner):
     """Kernel forward over the model's parameters and the engine's session state."""
 
@@ -297,11 +307,7 @@ class GpuRunner(Runner):
     def _graph(self, state, start: int):
         """The captured step for this state's buffers and context bucket."""
         bucket = self._bucket(start, state)
-        ptrs = tuple(c.k.data_ptr() for c in state.kv.values())
-        ptrs += tuple(c.v.data_ptr() for c in state.kv.values())
-        ptrs += tuple(s.recurrent.data_ptr() for s in state.deltanet.values())
-        ptrs += tuple(s.conv.data_ptr() for s in state.deltanet.values())
-        key = (bucket, ptrs)
+        key = (bucket, graph_key(state))
         if key not in self.graphs:
             if len(self.graphs) > 16:  # buffers moved (new state): old graphs are dead
                 self.graphs.clear()

@@ -145,3 +145,20 @@ def test_prefill_never_reads_unwritten_memory(models, monkeypatch, n):
         assert torch.equal(a, b)
     rs = SessionState.new(ref.cfg, DEVICE, torch.float32, 64)
     assert rel(clean[0], ref.forward(torch.tensor(prompt, device=DEVICE), rs)[0]) <= TOL_FLIP
+
+
+def test_graph_key_sees_the_kv_capacity(models):
+    """A captured decode step bakes in the KV row stride: a cache at the same address with
+    another capacity must not replay the old graph."""
+    from lily.runtime.gpu_runner import graph_key
+
+    _, fast = models
+    st = SessionState.new(fast.cfg, DEVICE, torch.bfloat16, 512, initial_capacity=64)
+    before = graph_key(st)
+    assert graph_key(st) == before
+    c = next(iter(st.kv.values()))
+    hkv, cap, dh = c.k.shape
+    # Same addresses, half the capacity (what a freed and reallocated cache can look like).
+    c.k = c.k.reshape(-1)[: hkv * (cap // 2) * dh].view(hkv, cap // 2, dh)
+    c.v = c.v.reshape(-1)[: hkv * (cap // 2) * dh].view(hkv, cap // 2, dh)
+    assert graph_key(st) != before
