@@ -54,7 +54,7 @@ def main() -> None:
     for n in OPS:
         setattr(gr, n, wrap(n, getattr(gr, n)))
     runs = []
-    for r in range(args.runs):
+    for r in range(args.runs):  # noqa: B007
         log.clear()
         logits = eng.runner.prefill(ids, eng.new_state())
         runs.append((list(log), int((~torch.isfinite(logits)).sum())))

@@ -44,7 +44,7 @@ from lily.ops.ref_linear import ref_moe, ref_qlinear
 
 G = GemmConfig
 GATE_UP = [G(16, 64, 64, 4, 3), G(16, 128, 64, 8, 3), G(16, 64, 128, 4, 4), G(16, 128, 128, 8, 3),
-           G(16, 64, 64, 4, 4), G(16, 128, 64, 4, 4), G(16, 256, 64, 8, 3), G(16, 64, 64, 8, 3)]  # fmt: skip
+           G(16, 64, 64, 4, 4), G(16, 128, 64, 4, 4), G(16, 256, 64, 8, 3), G(16, 64, 64, 8, 3)]  # fmt: skip  # noqa: E501
 DOWN = [G(16, 64, 128, 4, 4), G(16, 128, 64, 8, 3), G(16, 64, 64, 4, 3), G(16, 128, 128, 8, 3),
         G(16, 256, 64, 8, 3), G(16, 128, 64, 4, 4)]  # fmt: skip
 MOE_T = (256, 1664, 4096)
@@ -63,7 +63,7 @@ MOE_DECODE = [MoeDecodeConfig(), MoeDecodeConfig(gate_up_rows=4), MoeDecodeConfi
               MoeDecodeConfig(down_rows=4), MoeDecodeConfig(down_rows=2, down_warps=2),
               MoeDecodeConfig(gate_up_rows=4, down_rows=4, num_warps=2, down_warps=2),
               MoeDecodeConfig(gate_up_rows=2, down_rows=2, num_warps=2, down_warps=2),
-              MoeDecodeConfig(router_rows=2, shared_rows=4, gate_up_rows=4, down_rows=4)]  # fmt: skip
+              MoeDecodeConfig(router_rows=2, shared_rows=4, gate_up_rows=4, down_rows=4)]  # fmt: skip  # noqa: E501
 
 
 def moe_rows(ceil, w, gen) -> list[dict]:
@@ -78,10 +78,10 @@ def moe_rows(ceil, w, gen) -> list[dict]:
         bms = sorted({table.block_m, max(16, table.block_m // 2), min(128, table.block_m * 2)})
 
         def point(cfg):
-            fn = partial(moe_prefill, x, *args, TOP_K, res, config=cfg)
-            err = rel(fn()[:64], ref)
+            fn = partial(moe_prefill, x, *args, TOP_K, res, config=cfg)  # noqa: B023
+            err = rel(fn()[:64], ref)  # noqa: B023
             us = bench_ms(fn) * 1e3
-            return {"rel_err": err, "us": us, "TFLOPs": flop / us / 1e6}
+            return {"rel_err": err, "us": us, "TFLOPs": flop / us / 1e6}  # noqa: B023
 
         attempt(rows, {"op": "moe_prefill", "T": t, "config": "table " + cfg_str(table)},
                 partial(point, None))  # fmt: skip
@@ -93,7 +93,7 @@ def moe_rows(ceil, w, gen) -> list[dict]:
                         partial(point, cfg))  # fmt: skip
             for dn in DOWN:
                 cfg = MoePrefillConfig(bm, table.gate_up, G(bm, dn.block_n, dn.block_k,
-                                                            dn.num_warps, dn.num_stages))  # fmt: skip
+                                                            dn.num_warps, dn.num_stages))  # fmt: skip  # noqa: E501
                 attempt(rows, {"op": "moe_prefill down", "T": t, "config": cfg_str(cfg)},
                         partial(point, cfg))  # fmt: skip
         print(f"moe_prefill T={t} done", flush=True)
@@ -139,7 +139,7 @@ def gemv_rows(ceil, gen) -> list[dict]:
         floor_us = nbytes / ceil["copy_GBps"] / 1e3
 
         def call(x, w, r, cfg):
-            if norm:
+            if norm:  # noqa: B023
                 return qgemv(x, w, norm_weight=nw, eps=EPS, config=cfg)
             return qgemv(x, w, residual=r, config=cfg)
 
@@ -188,8 +188,8 @@ def main() -> None:
     ceil = ceilings()
     res: dict = {"ceilings": ceil}
     w = moe_weights(gen)
-    parts = {"gemv": lambda: gemv_rows(ceil, gen), "moe_decode": lambda: moe_decode_rows(ceil, w, gen),
-             "moe": lambda: moe_rows(ceil, w, gen), "dense": lambda: dense_rows(ceil, gen)}  # fmt: skip
+    parts = {"gemv": lambda: gemv_rows(ceil, gen), "moe_decode": lambda: moe_decode_rows(ceil, w, gen),  # noqa: E501
+             "moe": lambda: moe_rows(ceil, w, gen), "dense": lambda: dense_rows(ceil, gen)}  # fmt: skip  # noqa: E501
     for name in args.only.split(","):
         res[name] = parts[name]()
         for r in res[name]:

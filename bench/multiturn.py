@@ -117,7 +117,7 @@ def check_ops(found: list) -> None:
             if not found and not finite(out):
                 found.append({"op": name, "call": calls[0],
                               "args_finite": [finite(x) for x in a],
-                              "shapes": [list(x.shape) for x in a if isinstance(x, torch.Tensor)]})  # fmt: skip
+                              "shapes": [list(x.shape) for x in a if isinstance(x, torch.Tensor)]})  # fmt: skip  # noqa: E501
             return out
 
         return checked

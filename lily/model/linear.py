@@ -27,4 +27,3 @@ def embedding(ids: torch.Tensor, w: Weight, dtype: torch.dtype) -> torch.Tensor:
     if isinstance(w, torch.Tensor):
         return w[ids].to(dtype)
     return dequantize(w[ids], dtype)
-

@@ -110,7 +110,7 @@ def test_one_token_chunks(models):
 def poison_empty(monkeypatch) -> None:
     """From here on ``torch.empty`` and ``empty_like`` hand out NaN (float) or huge (int) values, so a
     kernel that reads memory it never wrote shows it (a fresh allocation is often zeros,
-    which hides the fault; a long-running server reuses dirty memory)."""
+    which hides the fault; a long-running server reuses dirty memory)."""  # noqa: E501
     empty, empty_like = torch.empty, torch.empty_like
 
     def poison(t: torch.Tensor) -> torch.Tensor:
