@@ -132,6 +132,12 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--turn-tokens", type=int, default=1600)
     ap.add_argument("--reply-tokens", type=int, default=32)
+    ap.add_argument(
+        "--system-tokens",
+        type=int,
+        default=0,
+        help="a system prompt of about this many tokens (tool definitions)",
+    )
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--out")
     ap.add_argument("--check", action="store_true", help="find the first op with a NaN")
@@ -172,7 +178,10 @@ def main() -> None:
                   {"role": "user", "content": filler(e, 300, 98)}]  # fmt: skip
         e.reset()
     trace = instrument(warm)
-    msgs = [{"role": "system", "content": "You are a coding agent. Use the tools."}]
+    system = "You are a coding agent. Use the tools."
+    if args.system_tokens:  # an agent's tool definitions: a long, fixed system prompt
+        system += "\n" + filler(warm, args.system_tokens, 1000)
+    msgs = [{"role": "system", "content": system}]
     rows = []
     for turn in range(args.turns):
         msgs.append({"role": "user", "content": filler(warm, args.turn_tokens, turn)})
