@@ -115,7 +115,9 @@ def _combine_kernel(
     i_h = tl.program_id(0)
     G: tl.constexpr = H // HKV
     i_kvh, i_g = i_h // G, i_h % G
-    n_blocks = tl.cdiv(tl.load(p_pos).to(tl.int32) + 1, split)
+    # Capped at the blocks the main kernel had (a position past max_len must not send
+    # the combine into another head's partials).
+    n_blocks = tl.minimum(tl.cdiv(tl.load(p_pos).to(tl.int32) + 1, split), NB)
     o_d = tl.arange(0, BD)
     m_d = o_d < DH
     b_gate = tl.load(qg + i_h * (2 * DH) + DH + o_d, mask=m_d, other=0.0).to(tl.float32)

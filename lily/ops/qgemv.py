@@ -269,6 +269,9 @@ def _qgemv_kernel(
         # Partials (SPLIT_K, BLOCK_T, N); the last program of this row block sums them.
         p_pb = p_part + o_t[:, None] * N + o_n[None, :]
         tl.store(p_pb + i_k * BLOCK_T * N, acc, mask=m_tn)
+        # The ticket is one thread's atomic: its release covers only that thread's stores,
+        # so every thread's partials must be issued first (as deltanet_decode does).
+        tl.debug_barrier()
         ticket = tl.atomic_add(p_ticket + i_n, 1, sem="acq_rel")
         if ticket == SPLIT_K - 1:
             acc = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
