@@ -96,8 +96,8 @@ FUSED = {
 def graph_key(state) -> tuple:
     """What a captured step bakes in about the state: every buffer's address and the KV
     capacity (the attention kernels' row stride). A freed cache's address can come back
-    with another capacity; replaying a graph captured for the old one then reads and
-    writes KV rows at the wrong stride (seen as random NaNs in multi-turn runs)."""
+    with another capacity; replaying a graph captured for the old one would then read
+    and write KV rows at the wrong stride."""
     key = tuple((c.k.data_ptr(), c.v.data_ptr(), tuple(c.k.shape)) for c in state.kv.values())
     return key + tuple((s.recurrent.data_ptr(), s.conv.data_ptr(), tuple(s.recurrent.shape))
                        for s in state.deltanet.values())  # fmt: skip
