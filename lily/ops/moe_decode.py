@@ -30,21 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lily.ops.qgemv import (
-    _as_f,
-    cdiv,
-    check_weight,
-    check_x,
-    gemv_block,
-    gemv_tile,
-    load_words,
-    load_x,
-    mask_lo,
-    pdl_launch,
-    pdl_wait,
-    pow2,
-    use_pdl,
-)
+from lily.ops.launch import cdiv, check_weight, check_x, mask_lo, pdl_launch, pow2, use_pdl
+from lily.ops.qgemv import _as_f, gemv_block, gemv_tile, load_words, load_x, pdl_wait
 from lily.ops.rmsnorm import cast_to, check_norm, norm_meta, norm_x
 from lily.quant import QuantWeight
 

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.ops.launch import cdiv, check_weight, check_x, mask_lo, pow2
 from lily.ops.moe_decode import _check_moe_weights, _check_shared, topk_rows
 from lily.ops.qgemm import (
     GemmConfig,
@@ -39,7 +40,7 @@ from lily.ops.qgemm import (
     load_dequant,
     mma,
 )
-from lily.ops.qgemv import cast_to, cdiv, check_weight, check_x, mask_lo, pow2, to_bf16
+from lily.ops.qgemv import cast_to, to_bf16
 from lily.quant import QuantWeight
 
 Tensor = torch.Tensor
