@@ -10,12 +10,10 @@ import json
 
 import torch
 
-import lily.runtime.gpu_runner as gr
+from bench.op_hooks import hook_ops
 from lily.bench.measure import pseudo_text_ids
 from lily.bench.random_model import engine_from_params, model_config, random_params
 from lily.config import EngineConfig
-
-OPS = ("moe", "deltanet_prefill", "attention_prefill", "linear", "rmsnorm", "residual_norm")
 
 
 def checksum(t) -> list:
@@ -43,16 +41,7 @@ def main() -> None:
     ids = pseudo_text_ids(args.tokens, cfg.vocab_size, seed=3)
     log: list = []
 
-    def wrap(name, fn):
-        def rec(*a, **k):
-            out = fn(*a, **k)
-            log.append((name, checksum(list(a)), checksum(out)))
-            return out
-
-        return rec
-
-    for n in OPS:
-        setattr(gr, n, wrap(n, getattr(gr, n)))
+    hook_ops(lambda name, a, out: log.append((name, checksum(list(a)), checksum(out))))
     runs = []
     for r in range(args.runs):  # noqa: B007
         log.clear()

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from bench.op_hooks import first_nonfinite, hook_ops
 from lily.bench.measure import env_info, kernel_times, pseudo_text_ids
 from lily.bench.random_model import engine_from_params, model_config, random_params
 from lily.config import EngineConfig
@@ -157,32 +158,14 @@ def poison_allocator(frac: float = 0.8) -> None:
 
 def locate(eng, ids: list[int]) -> list:
     """Run again on dirty memory with every op checked: the first one to emit a non-finite."""
-    import lily.runtime.gpu_runner as gr
-
     found: list = []
-
-    def checked(name, fn):
-        def wrap(*a, **k):
-            out = fn(*a, **k)
-            if not found and not bool(torch.isfinite(out).all()):
-                x = a[0] if name != "moe" else a[2]
-                found.append([name, list(x.shape), bool(torch.isfinite(x).all()),
-                              int((~torch.isfinite(out)).sum()), list(out.shape)])  # fmt: skip
-            return out
-
-        return wrap
-
-    names = ("moe", "deltanet_prefill", "attention_prefill", "linear", "rms_norm")
-    saved = {n: getattr(gr, n) for n in names}
-    for n in names:
-        setattr(gr, n, checked(n, saved[n]))
+    undo = hook_ops(first_nonfinite(found))
     try:
         torch.cuda.empty_cache()
         poison_allocator()
         eng.runner.prefill(ids, eng.new_state())
     finally:
-        for n in names:
-            setattr(gr, n, saved[n])
+        undo()
     return found
 
 

@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from bench.op_hooks import first_nonfinite, hook_ops
 from lily.bench.measure import env_info
 from lily.bench.random_model import engine_from_params, model_config, random_params
 from lily.config import EngineConfig
@@ -98,37 +99,6 @@ def instrument(engine) -> list:
     return trace
 
 
-def check_ops(found: list) -> None:
-    """Wrap the kernel runner's ops: the first one to return a non-finite value is recorded
-    (op, layer call index, output and input shapes, whether its inputs were finite)."""
-    import lily.runtime.gpu_runner as gr
-
-    calls = [0]
-
-    def finite(t) -> bool:
-        if isinstance(t, (tuple, list)):
-            return all(finite(x) for x in t)
-        return not isinstance(t, torch.Tensor) or bool(torch.isfinite(t).all())
-
-    def wrap(name, fn):
-        def checked(*a, **k):
-            out = fn(*a, **k)
-            if torch.cuda.is_current_stream_capturing():  # no syncs inside a graph capture
-                return out
-            calls[0] += 1
-            if not found and not finite(out):
-                found.append({"op": name, "call": calls[0],
-                              "args_finite": [finite(x) for x in a],
-                              "shapes": [list(x.shape) for x in a if isinstance(x, torch.Tensor)]})  # fmt: skip  # noqa: E501
-            return out
-
-        return checked
-
-    for n in ("moe", "deltanet_prefill", "attention_prefill", "linear", "rmsnorm",
-              "residual_norm", "embedding"):  # fmt: skip
-        setattr(gr, n, wrap(n, getattr(gr, n)))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--turns", type=int, default=10)
@@ -147,7 +117,7 @@ def main() -> None:
     args = ap.parse_args()
     found: list = []
     if args.check:
-        check_ops(found)
+        hook_ops(first_nonfinite(found))
     if args.old_moe_tiles:
         import lily.ops.moe_prefill as mp
         from lily.ops.qgemm import GemmConfig
