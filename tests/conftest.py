@@ -74,6 +74,30 @@ def _randomize(model: torch.nn.Module) -> None:
             p.copy_(p.to(torch.bfloat16).float())
 
 
+@pytest.fixture
+def poison_empty(monkeypatch):
+    """Call it to make ``torch.empty`` (and ``empty_like`` with ``like``) hand out NaN
+    floats, and ``int_value`` in other dtypes (None: left as allocated), until the test
+    ends: a kernel that leaves an element unwritten, or reads scratch it never wrote, shows
+    it (fresh allocations are often zeros, which hides the fault)."""
+
+    def apply(int_value: int | None = None, like: bool = True) -> None:
+        def poisoned(make):
+            def alloc(*args, **kwargs):
+                t = make(*args, **kwargs)
+                if t.is_floating_point():
+                    return t.fill_(float("nan"))
+                return t if int_value is None else t.fill_(int_value)
+
+            return alloc
+
+        monkeypatch.setattr(torch, "empty", poisoned(torch.empty))
+        if like:
+            monkeypatch.setattr(torch, "empty_like", poisoned(torch.empty_like))
+
+    return apply
+
+
 @pytest.fixture(scope="session")
 def tiny_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("tiny_ckpt")

@@ -41,16 +41,10 @@ OPS = {
 
 
 @pytest.fixture(autouse=True)
-def nan_poisoned_empty(monkeypatch):
+def nan_poisoned_empty(poison_empty):
     """Every float buffer the launchers allocate starts as NaN, so a kernel that leaves any
     element of an output or intermediate unwritten fails the comparison."""
-    empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        x = empty(*args, **kwargs)
-        return x.fill_(float("nan")) if x.is_floating_point() else x
-
-    monkeypatch.setattr(torch, "empty", poisoned)
+    poison_empty(like=False)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -38,15 +38,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.fixture
-def poison(monkeypatch):
+def poison(poison_empty):
     """torch.empty returns NaN-filled floats and -1-filled ints while the test runs."""
-    real = torch.empty
-
-    def empty(*args, **kwargs):
-        t = real(*args, **kwargs)
-        return t.fill_(float("nan") if t.is_floating_point() else -1)
-
-    monkeypatch.setattr(torch, "empty", empty)
+    poison_empty(int_value=-1, like=False)
 
 
 def make_moe(e: int, bits: int, gs: int, shared: bool, seed: int, device: str) -> dict:

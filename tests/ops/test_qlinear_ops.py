@@ -34,16 +34,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.fixture
-def poison(monkeypatch):
+def poison(poison_empty):
     """Every torch.empty made while the test runs is filled with NaN (floats) or -1 (ints),
     so any output element a kernel fails to write shows up."""
-    real = torch.empty
-
-    def empty(*args, **kwargs):
-        t = real(*args, **kwargs)
-        return t.fill_(float("nan") if t.is_floating_point() else -1)
-
-    monkeypatch.setattr(torch, "empty", empty)
+    poison_empty(int_value=-1, like=False)
 
 
 def _weight(n: int, k: int, bits: int, gs: int, device: str, gen: torch.Generator) -> QuantWeight:

@@ -30,11 +30,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.fixture
-def poison(monkeypatch):
+def poison(poison_empty):
     """torch.empty / empty_like return NaN-filled floats while the test runs."""
-    real, real_like = torch.empty, torch.empty_like
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: real(*a, **k).fill_(float("nan")))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: real_like(*a, **k).fill_(float("nan")))
+    poison_empty()
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -107,25 +107,8 @@ def test_one_token_chunks(models):
     assert rel(logits, ref.forward(torch.tensor(prompt, device=DEVICE), rs)[0]) <= TOL
 
 
-def poison_empty(monkeypatch) -> None:
-    """From here on ``torch.empty`` and ``empty_like`` hand out NaN (float) or huge (int) values, so a
-    kernel that reads memory it never wrote shows it (a fresh allocation is often zeros,
-    which hides the fault; a long-running server reuses dirty memory)."""  # noqa: E501
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def poison(t: torch.Tensor) -> torch.Tensor:
-        if t.is_floating_point():
-            return t.fill_(float("nan"))
-        if t.dtype in (torch.int32, torch.int64):
-            return t.fill_(2**30)
-        return t
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
-
-
 @pytest.mark.parametrize("n", [37])
-def test_prefill_never_reads_unwritten_memory(models, monkeypatch, n):
+def test_prefill_never_reads_unwritten_memory(models, poison_empty, n):
     """Chunks that end mid-tile (37 = 2 x 16 + 5): with poisoned scratch the
     logits are bit-identical to a clean run's, finite, and near the reference."""
     ref, fast = models
@@ -138,7 +121,7 @@ def test_prefill_never_reads_unwritten_memory(models, monkeypatch, n):
         return logits, runner.decode(int(logits.argmax()), st)
 
     clean = run()
-    poison_empty(monkeypatch)
+    poison_empty(int_value=2**30)
     dirty = run()
     for a, b in zip(dirty, clean, strict=True):
         assert torch.isfinite(a).all()
