@@ -75,27 +75,16 @@ def main() -> None:
     params = random_params(cfg, "cuda")
     lengths = [int(x) for x in args.lengths.split(",")]
     res = {}
-    ecfg = EngineConfig(
-        device="cuda",
-        dtype="bfloat16",
-        prefill_chunk=args.chunk,
-        max_context=131072,
-        use_kernels=True,
-        prefix_cache_gb=0,
-    )
-    eng = engine_from_params(cfg, params, ecfg)
+    def engine(use_kernels: bool):
+        ecfg = EngineConfig(device="cuda", dtype="bfloat16", prefill_chunk=args.chunk,
+                            max_context=131072, use_kernels=use_kernels, prefix_cache_gb=0)  # fmt: skip
+        return engine_from_params(cfg, params, ecfg)
+
+    eng = engine(True)
     run(eng, [256], 4)  # warm-up: compile the kernels
     res["kernels"] = run(eng, lengths, args.decode)
     if args.reference:
-        ecfg = EngineConfig(
-            device="cuda",
-            dtype="bfloat16",
-            prefill_chunk=args.chunk,
-            max_context=131072,
-            use_kernels=False,
-            prefix_cache_gb=0,
-        )
-        ref = engine_from_params(cfg, params, ecfg)
+        ref = engine(False)
         res["reference"] = run(ref, lengths[:1], 8)
     if args.out:
         with open(args.out, "w") as f:
