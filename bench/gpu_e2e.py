@@ -75,9 +75,16 @@ def main() -> None:
     params = random_params(cfg, "cuda")
     lengths = [int(x) for x in args.lengths.split(",")]
     res = {}
+
     def engine(use_kernels: bool):
-        ecfg = EngineConfig(device="cuda", dtype="bfloat16", prefill_chunk=args.chunk,
-                            max_context=131072, use_kernels=use_kernels, prefix_cache_gb=0)  # fmt: skip
+        ecfg = EngineConfig(
+            device="cuda",
+            dtype="bfloat16",
+            prefill_chunk=args.chunk,
+            max_context=131072,
+            use_kernels=use_kernels,
+            prefix_cache_gb=0,
+        )
         return engine_from_params(cfg, params, ecfg)
 
     eng = engine(True)
