@@ -40,7 +40,7 @@ from lily.ops.qgemm import (
     load_dequant,
     mma,
 )
-from lily.ops.qgemv import cast_to, to_bf16
+from lily.ops.rmsnorm import cast_to, to_bf16
 from lily.quant import QuantWeight
 
 Tensor = torch.Tensor

@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from lily.ops.launch import cdiv, check_weight, check_x, mask_lo
-from lily.ops.qgemv import _as_f, cast_to, to_bf16
+from lily.ops.qgemv import _as_f
+from lily.ops.rmsnorm import cast_to, to_bf16
 from lily.quant import QuantWeight
 
 Tensor = torch.Tensor

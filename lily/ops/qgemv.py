@@ -47,13 +47,12 @@ from lily.ops.launch import (
     pow2,
     use_pdl,
 )
-from lily.ops.rmsnorm import (  # noqa: F401 - cast_to, to_bf16 re-exported for the kernels
+from lily.ops.rmsnorm import (
     cast_to,
     check_norm,
     norm_meta,
     norm_x,
     row_rstd,
-    to_bf16,
 )
 from lily.quant import QuantWeight
 
