@@ -99,6 +99,29 @@ def instrument(engine) -> list:
     return trace
 
 
+def replay(engine, args, found: list) -> None:
+    """Each saved prompt, cold, ``args.repeat`` times: finite or not, and the first op."""
+    with open(args.replay) as f:
+        prompts = json.load(f)
+    rows = []
+    for turn, ids in enumerate(prompts, 1):
+        for rep in range(args.repeat):
+            found.clear()
+            engine.reset()
+            row = {"turn": turn, "rep": rep, "prompt_tokens": len(ids)}
+            try:
+                row["ttft_s"] = ttft(engine, ids, 1)[0]
+            except ValueError as e:
+                row["error"] = str(e)
+            if found:
+                row["first_nonfinite_op"] = list(found)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"env": env_info("cuda"), "args": vars(args), "replay": rows}, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--turns", type=int, default=10)
@@ -114,6 +137,13 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--check", action="store_true", help="find the first op with a NaN")
     ap.add_argument("--old-moe-tiles", action="store_true")
+    ap.add_argument("--save-prompts", help="write each turn's prompt ids (JSON) here")
+    ap.add_argument(
+        "--replay",
+        help="run the prompts saved by --save-prompts cold, --repeat times each, and report "
+        "which gave non-finite logits (tells a numeric edge of the input from a flow bug)",
+    )
+    ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
     found: list = []
     if args.check:
@@ -141,7 +171,11 @@ def main() -> None:
     cold = engine_from_params(cfg, params, EngineConfig(**common, prefix_cache_gb=0.0))
     # Compile the kernels for the chunk shapes before timing anything.
     for e in (warm, cold):
-        list(e.generate(list(range(10, 10 + args.chunk + 17)), SamplingParams(max_tokens=2)))
+        try:
+            list(e.generate(list(range(10, 10 + args.chunk + 17)), SamplingParams(max_tokens=2)))
+        except ValueError as err:
+            print(json.dumps({"warmup_error": str(err), "first_nonfinite_op": found}))
+            raise
         m = [{"role": "user", "content": filler(e, 300, 99)}]
         for _ in range(2):  # a short conversation: the small segment shapes compile too
             ids = e.encode_chat(m)
@@ -149,15 +183,22 @@ def main() -> None:
             m += [{"role": "assistant", "content": reply},
                   {"role": "user", "content": filler(e, 300, 98)}]  # fmt: skip
         e.reset()
+    if args.replay:
+        replay(cold, args, found)
+        return
     trace = instrument(warm)
     system = "You are a coding agent. Use the tools."
     if args.system_tokens:  # an agent's tool definitions: a long, fixed system prompt
         system += "\n" + filler(warm, args.system_tokens, 1000)
     msgs = [{"role": "system", "content": system}]
-    rows = []
+    rows, prompts = [], []
     for turn in range(args.turns):
         msgs.append({"role": "user", "content": filler(warm, args.turn_tokens, turn)})
         ids = warm.encode_chat(msgs, enable_thinking=True)
+        prompts.append(ids)
+        if args.save_prompts:
+            with open(args.save_prompts, "w") as f:
+                json.dump(prompts, f)
         try:
             t_warm, reply, cached = ttft(warm, ids, args.reply_tokens)
         except ValueError as e:  # record where it broke, then stop

@@ -185,7 +185,12 @@ def gemm_config(t: int, n: int, k: int, group_size: int) -> GemmConfig:
         # Fill the 132 SMs: at T = 256 the 2048 x 4096 o_proj gets 32 programs from 128 x 128
         # tiles and 128 from 64 x 64 (73 against 40 us, bench/results/tile_sweep_h200_run1.json).
         if cdiv(t, 128) * cdiv(n, 128) >= 132:
-            return GemmConfig(128, 128, bk, num_warps=8, num_stages=3)
+            # NOTE: two stages, not three: with 8 warps and 3 or 4 stages this tile's
+            # compiled pipeline (Triton 3.6, sm_90) returned garbage (up to 3e38, at times
+            # inf) in about 1 run of 300 at T = 4096, N = 8192, K = 2048, and 0 of 3,000
+            # with two stages, 4% slower (bench/results/kernel_repeat_h200.json). It was
+            # the multi-turn runs' random non-finite logits.
+            return GemmConfig(128, 128, bk, num_warps=8, num_stages=2)
         if cdiv(t, 128) * cdiv(n, 64) >= 132:
             return GemmConfig(128, 64, bk, num_warps=4, num_stages=4)
         return GemmConfig(64, 64, bk, num_warps=4, num_stages=3)
