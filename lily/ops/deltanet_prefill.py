@@ -24,6 +24,8 @@ The state (Hv, K, Vd) fp32 and the conv state (W-1, C) are updated in place.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -378,6 +380,8 @@ def deltanet_prefill(
     chunk_size: int = 64,
     block_v: int | None = None,
     num_warps: int | None = None,
+    cuts: Sequence[int] = (),
+    snaps: list | None = None,
 ) -> Tensor:
     """Gated DeltaNet mixer over T tokens (MODEL.md), updating ``conv_state`` and ``state``.
 
@@ -387,6 +391,10 @@ def deltanet_prefill(
     ``chunk_size``, outputs computed on the sequential walk), "chunk_par" (the same, with only
     the states on the sequential walk and the outputs in a parallel kernel) or "scan" (token
     by token). Returns (T, Hv*Vd) in mixed_qkv's dtype.
+
+    ``cuts``: increasing offsets in (0, T); the states after the first ``cut`` tokens are
+    appended to ``snaps`` as (conv_state, state) copies (prefix-cache snapshots). Only the
+    recurrence runs piece by piece; the conv, the gates and the norm still run once.
     """
     _check(
         method in ("chunk", "chunk_par", "scan"),
@@ -441,6 +449,16 @@ def deltanet_prefill(
     )
     dev, bk, bvd = state.device, triton.next_power_of_2(kd), triton.next_power_of_2(vd)
 
+    _check(
+        list(cuts) == sorted(set(cuts)) and all(0 < c < t for c in cuts) and
+        (snaps is not None or not cuts),
+        f"cuts must be increasing offsets in (0, {t}) with a snaps list, got {list(cuts)}",
+    )  # fmt: skip
+    # The conv state at each cut, before the prep kernel overwrites the old one: the last
+    # W-1 inputs before the cut, from the old state where the cut is that close to the start.
+    conv_cuts = [torch.cat([conv_state[c:], mixed_qkv[max(0, c - conv_state.shape[0]) : c]])
+                 for c in cuts]  # fmt: skip
+
     # 1. conv + norms + gates
     bt_prep = 32
     _check(width - 1 <= bt_prep, f"conv kernel {width} too wide")
@@ -466,15 +484,39 @@ def deltanet_prefill(
         o_buf = torch.empty(t, hv * vd, dtype=out_dtype, device=dev)
     else:
         o_buf = torch.empty(t, hv, vd, dtype=torch.float32, device=dev)
+    w = u = None
+    if method != "scan":
+        w = torch.empty(t, hv, kd, dtype=out_dtype, device=dev)
+        u = torch.empty(t, hv, vd, dtype=out_dtype, device=dev)
+    bounds = [0, *cuts, t]
+    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        if i:  # the state after the first ``lo`` tokens
+            snaps.append((conv_cuts[i - 1], state.clone()))
+        rows = slice(lo, hi)
+        _recurrence(
+            y[rows], g[rows], beta[rows], z[rows], norm_weight, state, o_buf[rows],
+            None if w is None else w[rows], None if u is None else u[rows], eps, method,
+            chunk_size, bv, nv, fuse, num_warps, dims,
+        )  # fmt: skip
+    return (
+        o_buf
+        if fuse or method == "chunk_par"
+        else gated_rmsnorm(o_buf, z, norm_weight, eps, out_dtype)
+    )
+
+
+def _recurrence(y, g, beta, z, norm_weight, state, o_buf, w, u, eps, method, chunk_size, bv,
+                nv, fuse, num_warps, dims) -> None:  # fmt: skip
+    """The state walk over T prepared tokens (one piece of a chunk), writing o_buf."""
+    t, hv = g.shape
+    bk, bvd, kd = dims["BK"], triton.next_power_of_2(dims["VD"]), dims["K"]
     if method == "scan":
         _scan_kernel[(nv, hv)](
             y, g, beta, state, z, norm_weight, o_buf, t, eps, BV=bv, FUSE_NORM=fuse,
             num_warps=num_warps or 4, **dims,
         )  # fmt: skip
-        return o_buf if fuse else gated_rmsnorm(o_buf, z, norm_weight, eps, out_dtype)
+        return
     nt = triton.cdiv(t, chunk_size)
-    w = torch.empty(t, hv, kd, dtype=out_dtype, device=dev)
-    u = torch.empty(t, hv, vd, dtype=out_dtype, device=dev)
     nsq = max(0, (chunk_size // 16).bit_length() - 2)  # squarings until M^(BT/16) = 0
     _chunk_wy_kernel[(nt, hv)](
         y, g, beta, w, u, t, BT=chunk_size, BVD=bvd, NSQ=nsq, num_warps=4, **dims
@@ -485,10 +527,10 @@ def deltanet_prefill(
             FUSE_NORM=fuse, num_warps=num_warps or (8 if bv * bk >= 128 * 128 else 4),
             num_stages=2, **dims,  # 2 stages prefetch the next chunk; 3 only cost memory
         )  # fmt: skip
-        return o_buf if fuse else gated_rmsnorm(o_buf, z, norm_weight, eps, out_dtype)
+        return
     # "chunk_par": states per chunk start, then all outputs in parallel (norm fused)
-    h = torch.empty(nt, hv, kd, vd, dtype=out_dtype, device=dev)
-    vn = torch.empty(t, hv, vd, dtype=out_dtype, device=dev)
+    h = torch.empty(nt, hv, kd, dims["VD"], dtype=w.dtype, device=w.device)
+    vn = torch.empty(t, hv, dims["VD"], dtype=w.dtype, device=w.device)
     _chunk_state_kernel[(nv, hv)](
         y, g, w, u, state, h, vn, t, BT=chunk_size, BV=bv, num_warps=num_warps or 4,
         num_stages=2, **dims,
@@ -496,4 +538,3 @@ def deltanet_prefill(
     _chunk_out_kernel[(nt, hv)](
         y, g, h, vn, z, norm_weight, o_buf, t, eps, BT=chunk_size, BVD=bvd, num_warps=8, **dims
     )  # fmt: skip
-    return o_buf

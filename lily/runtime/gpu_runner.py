@@ -213,21 +213,13 @@ class GpuRunner(Runner):
                         p[d + "norm"], st.recurrent, eps)  # fmt: skip
                 if t_len == 1:
                     o = deltanet_decode(qkv[0], z[0], b[0], a[0], *args, workspace=self.ws)[None]
-                elif not cuts:
-                    o = deltanet_prefill(qkv, z, b, a, *args)
                 else:
-                    # The scan runs piece by piece so the state can be copied out at each
-                    # cut; everything else in the layer still sees the whole chunk.
-                    outs, lo = [], 0
-                    for hi in [*cuts, t_len]:
-                        sl = slice(lo, hi)
-                        outs.append(deltanet_prefill(qkv[sl], z[sl], b[sl], a[sl], *args))
-                        if hi < t_len:
-                            snaps.setdefault(start + hi, {})[i] = DeltaNetState(
-                                st.conv.clone(), st.recurrent.clone()
-                            )
-                        lo = hi
-                    o = torch.cat(outs)
+                    # With cuts the recurrence runs piece by piece and the states at the
+                    # cuts are copied out; everything else still sees the whole chunk.
+                    got: list = []
+                    o = deltanet_prefill(qkv, z, b, a, *args, cuts=cuts, snaps=got)
+                    for c, (conv, rec) in zip(cuts, got, strict=True):
+                        snaps.setdefault(start + c, {})[i] = DeltaNetState(conv, rec)
                 out_w = p[d + "out_proj"]
             else:
                 at, kv = pre + "attn.", state.kv[i]

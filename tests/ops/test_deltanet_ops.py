@@ -303,3 +303,33 @@ def test_prefill_rejects_bad_input():
         run_prefill({**d, "z": d["z"][:2]}, "scan")
     with pytest.raises(ValueError, match="chunk_size must be"):
         run_prefill(d, "chunk", chunk_size=48)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("method", ["scan", "chunk", "chunk_par"])
+@pytest.mark.parametrize("cuts", [(2,), (1, 20, 35)], ids=["2", "1-20-35"])
+def test_prefill_cuts_give_the_states_at_the_cuts(device, method, cuts):
+    """One call with cuts: the output of a call without them, and at each cut the conv and
+    recurrent states of the reference run over the tokens before it (a cut at 1 or 2 < W-1
+    takes part of the old conv state)."""
+    d = make_inputs(37, dtype=torch.float32, device=device, seed=9)
+    snaps: list = []
+    out, cs, st = run_prefill(d, method, chunk_size=16, cuts=cuts, snaps=snaps)
+    plain, plain_cs, plain_st = run_prefill(d, method, chunk_size=16)
+    errs = [rel(out, plain), rel(st, plain_st)]
+    assert torch.equal(cs, plain_cs) and len(snaps) == len(cuts)
+    for c, (conv, rec) in zip(cuts, snaps, strict=True):
+        head = {k: (v[:c] if k in ("mixed_qkv", "z", "b", "a") else v) for k, v in d.items()}
+        _, ref_cs, ref_st = reference(head)
+        assert torch.equal(conv.cpu(), ref_cs)
+        errs.append(rel(rec, ref_st))
+    assert max(errs) < DOT_F32_TOL, errs
+
+
+def test_prefill_rejects_bad_cuts():
+    d = make_inputs(5, dtype=torch.float32, device="cpu")
+    for cuts in ((0,), (5,), (3, 2), (2, 2)):
+        with pytest.raises(ValueError, match="cuts must be increasing"):
+            run_prefill(d, "chunk", cuts=cuts, snaps=[])
+    with pytest.raises(ValueError, match="with a snaps list"):
+        run_prefill(d, "chunk", cuts=(2,))
