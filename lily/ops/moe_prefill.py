@@ -284,8 +284,12 @@ def moe_prefill_config(t: int, top_k: int, n_experts: int) -> MoePrefillConfig:
     """Tiles from the mean rows per expert, measured on the H200 at the real shapes
     (bench/gpu_tile_sweep.py, bench/results/tile_sweep_h200_run1.json): the gate/up tile
     of 64 x 64 (4 warps, 4 stages) at 52 rows per expert took 561 us a layer against 619
-    for 128 x 64 with 8 warps; 128 x 128 x 128 at 128 rows took 1,147 us against 1,609."""
-    bm = block_m_for(t * top_k / n_experts)
+    for 128 x 64 with 8 warps; 128 x 128 x 128 at 128 rows took 1,147 us against 1,609.
+    From 24 rows per expert the 64-row tile beats the 32-row one, which dequantizes most
+    experts' weights twice: 0.50-0.53 ms a layer against 0.72-0.84 at T = 768-1,400
+    (bench/gpu_moe_tile.py, bench/results/moe_tile_h200.json)."""
+    rows = t * top_k / n_experts
+    bm = 64 if 24 <= rows <= 96 else block_m_for(rows)
     if bm <= 32:
         return MoePrefillConfig(bm, GemmConfig(bm, 64, 128, 4, 4), GemmConfig(bm, 64, 128, 4, 4))
     if bm == 64:

@@ -305,6 +305,8 @@ def test_prefill_tile_table_follows_rows_per_expert():
     """BLOCK_M grows with the mean rows per expert (T*k/E): 16 rows at 512 tokens, 64 at 2K."""
     assert moe_prefill_config(512, 8, 256).block_m == 16
     assert moe_prefill_config(2048, 8, 256).block_m == 64
+    assert moe_prefill_config(1128, 8, 256).block_m == 64  # 35 rows: measured faster than 32
+    assert moe_prefill_config(600, 8, 256).block_m == 16  # 19 rows
     assert moe_prefill_config(8192, 8, 256).block_m == 128
     for t in (1, 100, 512, 1000, 2048, 8192, 65536):
         cfg = moe_prefill_config(t, 8, 256)
