@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.ops.launch import to_device
 from lily.ops.norm_rope import rms_rope_rows, sigmoid
 
 Tensor = torch.Tensor
@@ -205,7 +206,7 @@ def attention_prefill(
             0 <= start and start + t <= t_max,
             f"positions [{start}, {start + t}) do not fit a cache of {t_max}",
         )
-        start = torch.tensor([start], dtype=torch.int32, device=qg.device)
+        start = to_device([start], torch.int32, qg.device)
     _check(
         start.numel() == 1 and not start.dtype.is_floating_point,
         f"start must be an int or a one-element integer tensor, got {start.dtype}",

@@ -26,6 +26,20 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A small host list as a device tensor without stalling the host.
+
+    NOTE: ``torch.tensor(values, device="cuda")`` copies from pageable memory, which waits
+    for the device to finish the work already queued: called inside a prefill it drained
+    the queue and the host could never run ahead of the GPU (bench/gpu_host_time.py). A
+    pinned copy with non_blocking does not wait; torch keeps the pinned block until the
+    copy is done."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def pow2(n: int) -> int:
     """Host-side smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(0, n - 1).bit_length()

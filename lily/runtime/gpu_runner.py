@@ -17,6 +17,7 @@ from lily.ops.attention_decode import attention_decode
 from lily.ops.attention_prefill import attention_prefill
 from lily.ops.deltanet_decode import DeltaNetDecodeWorkspace, deltanet_decode
 from lily.ops.deltanet_prefill import deltanet_prefill
+from lily.ops.launch import to_device
 from lily.ops.moe_decode import moe_decode
 from lily.ops.moe_prefill import moe_prefill
 from lily.ops.norm_rope import rope_inv_freq
@@ -198,7 +199,7 @@ class GpuRunner(Runner):
         t_len = ids.shape[0]
         if t_len == 1 and isinstance(start, int):
             # A one-token chunk takes the decode kernels, which read the position on device.
-            start = torch.tensor([start], dtype=torch.int32, device=self.dev)
+            start = to_device([start], torch.int32, self.dev)
         x = embedding(ids, p["embed_tokens"], self.model.dtype)
         for i, kind in enumerate(cfg.layer_types):
             pre = f"layers.{i}."
@@ -256,7 +257,7 @@ class GpuRunner(Runner):
                 for c in state.kv.values():
                     c.ensure(end)
                 state.busy = True
-                t = torch.tensor(part, dtype=torch.long, device=self.dev)
+                t = to_device(part, torch.long, self.dev)
                 logits = self._forward(t, state, start, end, cuts, snaps)
                 state.length = end
                 state.tokens.extend(part)
@@ -274,7 +275,7 @@ class GpuRunner(Runner):
         with torch.inference_mode():
             if not self.use_graphs:
                 self.pos.fill_(start)
-                t = torch.tensor([token_id], dtype=torch.long, device=self.dev)
+                t = to_device([token_id], torch.long, self.dev)
                 out = self._decode_forward(t, state, self.pos, self._bucket(start, state))
             else:
                 graph, static_out = self._graph(state, start)
