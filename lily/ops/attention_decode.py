@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.ops.launch import launched
 from lily.ops.norm_rope import rms_rope_apply, rms_rope_load, sigmoid
 
 Tensor = torch.Tensor
@@ -28,6 +29,7 @@ Tensor = torch.Tensor
 LOG2E = 1.4426950408889634
 
 
+@launched
 @triton.jit
 def _attn_decode_kernel(
     qg, k, v, q_norm, k_norm, inv_freq, k_cache, v_cache, p_pos, out, o_part, lse_part, eps,
@@ -107,6 +109,7 @@ def _attn_decode_kernel(
             )
 
 
+@launched
 @triton.jit
 def _combine_kernel(
     qg, p_pos, o_part, lse_part, out, NB, split, H: tl.constexpr, HKV: tl.constexpr,

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lily.ops.launch import to_device
+from lily.ops.launch import launched, to_device
 from lily.ops.norm_rope import rms_rope_rows, sigmoid
 
 Tensor = torch.Tensor
@@ -26,6 +26,7 @@ Tensor = torch.Tensor
 LOG2E = 1.4426950408889634
 
 
+@launched
 @triton.jit
 def _prep_kernel(
     qg, k, v, q_norm, k_norm, inv_freq, p_start, q_buf, k_cache, v_cache, T, T_MAX, eps,
@@ -68,6 +69,7 @@ def _prep_kernel(
         tl.store(v_cache + p_row, b_v.to(v_cache.dtype.element_ty), mask=m_td)
 
 
+@launched
 @triton.jit
 def _flash_kernel(
     qg, q_buf, k_cache, v_cache, p_start, out, T, T_MAX, sm_scale, H: tl.constexpr,

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.ops.launch import launched
 from lily.ops.norm_rope import gated_rmsnorm_rows, sigmoid, silu
 
 Tensor = torch.Tensor
@@ -74,6 +75,7 @@ def deltanet_gates(b_b, b_a, b_alog, b_dtb):
     return -tl.exp(b_alog.to(tl.float32)) * b_sp, sigmoid(b_b.to(tl.float32))
 
 
+@launched
 @triton.jit
 def _deltanet_decode_kernel(
     x, z, b, a, conv_w, conv_state, A_log, dt_bias, norm_w, state, out, o_buf, counters, q_scale,

@@ -31,11 +31,13 @@ import triton
 import triton.language as tl
 
 from lily.ops.deltanet_decode import deltanet_gates
+from lily.ops.launch import launched
 from lily.ops.norm_rope import gated_rmsnorm, gated_rmsnorm_rows, silu
 
 Tensor = torch.Tensor
 
 
+@launched
 @triton.jit
 def _prep_kernel(
     x, conv_w, conv_state, b, a, A_log, dt_bias, y, g, beta, T, q_scale, HK: tl.constexpr,
@@ -107,6 +109,7 @@ def _prep_kernel(
         )
 
 
+@launched
 @triton.jit
 def _scan_kernel(
     y, g, beta, state, z, norm_w, o_buf, T, eps, HK: tl.constexpr, HV: tl.constexpr,
@@ -147,6 +150,7 @@ def _scan_kernel(
     tl.store(p_s, b_S, mask=m_s)
 
 
+@launched
 @triton.jit
 def _chunk_wy_kernel(
     y, g, beta, w, u, T, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, VD: tl.constexpr,
@@ -224,6 +228,7 @@ def _chunk_wy_kernel(
     )
 
 
+@launched
 @triton.jit
 def _chunk_scan_kernel(
     y, g, w, u, state, z, norm_w, o_buf, T, eps, HK: tl.constexpr, HV: tl.constexpr,
@@ -281,6 +286,7 @@ def _chunk_scan_kernel(
     tl.store(p_s, b_S, mask=m_s)
 
 
+@launched
 @triton.jit
 def _chunk_state_kernel(
     y, g, w, u, state, h, vn, T, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
@@ -320,6 +326,7 @@ def _chunk_state_kernel(
     tl.store(p_s, b_S, mask=m_s)
 
 
+@launched
 @triton.jit
 def _chunk_out_kernel(
     y, g, h, vn, z, norm_w, out, T, eps, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,

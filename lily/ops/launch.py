@@ -3,9 +3,11 @@ small integer helpers, and programmatic-dependent-launch options."""
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
+import triton
 
 from lily.quant import QuantWeight
 
@@ -106,3 +108,98 @@ def pdl_launch(pdl: bool) -> dict:
 def use_pdl(pdl: bool, device: torch.device) -> bool:
     """PDL only on a CUDA device of compute capability 9.0 or newer (a no-op elsewhere)."""
     return pdl and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+# ---------------------------------------------------------------- fast repeat launches
+
+# LILY_FAST_LAUNCH=0 sends every launch through Triton's own path (for bisecting).
+_FAST = os.environ.get("LILY_FAST_LAUNCH", "1") != "0"
+
+
+def _spec(a) -> tuple:
+    """What Triton 3.6 specializes a kernel argument on, or a stricter superset: a
+    tensor's dtype and 16-byte alignment; an int's width, equality to 1 and divisibility
+    by 16 (a value of 1 becomes a constant inside the kernel)."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    if isinstance(a, bool):
+        return ("b", a)
+    if isinstance(a, int):
+        width = 0 if -(2**31) <= a < 2**31 else 1 if -(2**63) <= a < 2**63 else 2
+        return ("i", width, a == 1, a % 16 == 0)
+    if isinstance(a, float):
+        return ("f",)
+    if a is None:
+        return ("n",)
+    raise TypeError(type(a))
+
+
+def _current_device() -> int:
+    return torch.cuda.current_device()
+
+
+def _current_stream(device: int) -> int:
+    """The raw handle of torch's current stream (a capture stream inside a CUDA graph)."""
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
+def _hooked() -> bool:
+    """Whether a launch hook is installed (Triton 3.6 keeps an empty HookChain when none
+    is; a profiler such as proton adds one), so launches must go through Triton."""
+    rt = triton.knobs.runtime
+    return any(getattr(h, "calls", h is not None) for h in (rt.launch_enter_hook,
+                                                           rt.launch_exit_hook))  # fmt: skip
+
+
+class Launched:
+    """A ``@triton.jit`` kernel whose repeated launches skip Triton's dispatch.
+
+    NOTE (why): Triton's ``run`` binds, specializes and hashes the arguments and builds
+    launch metadata on every call: tens of microseconds, and a prefill launches about 770
+    kernels, so the host (not the GPU) set the pace of short prefills. The first launch
+    of each argument signature goes through Triton (compiling when needed) and the
+    compiled kernel is kept under a key holding everything Triton specializes on (see
+    ``_spec``) plus every keyword (constexprs and launch options); later launches with
+    that key call the compiled kernel directly. Under the interpreter, with launch hooks
+    installed, or with LILY_FAST_LAUNCH=0, every launch takes Triton's path.
+    """
+
+    def __init__(self, fn):
+        self.fn = fn
+        params = getattr(fn, "params", None)
+        self.fast = _FAST and isinstance(fn, triton.runtime.jit.JITFunction) and params
+        if self.fast:
+            self.names = [p.name for p in params]
+            self.defaults = {p.name: p.default for p in params if p.has_default}
+        self.cache: dict = {}
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def launch(self, grid, args: tuple, kwargs: dict) -> None:
+        if not self.fast or _hooked():
+            self.fn[grid](*args, **kwargs)
+            return
+        try:
+            key = (_current_device(), tuple(_spec(a) for a in args),
+                   tuple(sorted(kwargs.items())))  # fmt: skip
+            kernel = self.cache.get(key)
+        except TypeError:  # an argument kind the key does not cover, or unhashable
+            self.fn[grid](*args, **kwargs)
+            return
+        if kernel is None:
+            self.cache[key] = self.fn[grid](*args, **kwargs)
+            return
+        rest = self.names[len(args) :]
+        bound = [*args, *(kwargs[n] if n in kwargs else self.defaults[n] for n in rest)]
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        stream = _current_stream(key[0])
+        # No hook is installed (checked above): no launch metadata, no hook calls.
+        kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None,
+                   None, None, *bound)  # fmt: skip
+
+
+def launched(fn) -> Launched:
+    """Decorator over ``@triton.jit`` for kernels launched from the host (see Launched)."""
+    return Launched(fn)

@@ -30,7 +30,16 @@ import torch
 import triton
 import triton.language as tl
 
-from lily.ops.launch import cdiv, check_weight, check_x, mask_lo, pdl_launch, pow2, use_pdl
+from lily.ops.launch import (
+    cdiv,
+    check_weight,
+    check_x,
+    launched,
+    mask_lo,
+    pdl_launch,
+    pow2,
+    use_pdl,
+)
 from lily.ops.qgemv import _as_f, gemv_block, gemv_tile, load_words, load_x, pdl_wait
 from lily.ops.rmsnorm import cast_to, check_norm, norm_meta, norm_x
 from lily.quant import QuantWeight
@@ -107,6 +116,7 @@ def _gate_up(
     return b_g * _sigmoid(b_g) * b_u
 
 
+@launched
 @triton.jit
 def _moe_router_kernel(
     p_x, p_nw, p_logits, p_h,
@@ -157,6 +167,7 @@ def _moe_router_kernel(
         tl.store(p_h + TOP_K * stride_h + o_s, b_h, mask=m_s)
 
 
+@launched
 @triton.jit
 def _moe_gate_up_kernel(
     p_x, p_nw, p_logits, p_ids, p_wts, p_h,
@@ -242,6 +253,7 @@ def _gemv_tile3(b_w, b_s, b_b, b_x, mask_lo, BITS: tl.constexpr, BLOCK_G: tl.con
     return tl.sum(b_s * (b_d - b_xps[:, None, :]) + b_b * b_xs[:, None, :], axis=2)
 
 
+@launched
 @triton.jit
 def _moe_down_kernel(
     p_h, p_ids, p_wts, p_logits, p_res, p_out,

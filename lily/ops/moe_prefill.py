@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lily.ops.launch import cdiv, check_weight, check_x, mask_lo, pow2
+from lily.ops.launch import cdiv, check_weight, check_x, launched, mask_lo, pow2
 from lily.ops.moe_decode import _check_moe_weights, _check_shared, topk_rows
 from lily.ops.qgemm import (
     GemmConfig,
@@ -46,6 +46,7 @@ from lily.quant import QuantWeight
 Tensor = torch.Tensor
 
 
+@launched
 @triton.jit
 def _moe_route_kernel(
     p_logits, p_x, p_sgw, p_sgs, p_sgb, p_ids, p_wts, p_counts, p_rank,
@@ -87,6 +88,7 @@ def _moe_route_kernel(
         tl.store(p_wts + o_t * (TOP_K + 1) + TOP_K, 1.0 / (1.0 + tl.exp(-b_g)), mask=m_t)
 
 
+@launched
 @triton.jit
 def _moe_plan_kernel(
     p_counts, p_ids, p_rank, p_pairs, p_tile_e, p_tile_row, p_tile_n, T, E, max_tiles,
@@ -141,6 +143,7 @@ def _tile_rows(p_tile_e, p_tile_row, p_tile_n, p_pairs, b, BLOCK_M: tl.constexpr
     return e, row0, m_m, pairs
 
 
+@launched
 @triton.jit
 def _moe_gate_up_kernel(
     p_x, p_pairs, p_tile_e, p_tile_row, p_tile_n, p_h,
@@ -197,6 +200,7 @@ def _moe_gate_up_kernel(
         tl.store(p_hb, b_h, mask=m_n[:, None] & m_m[None, :])
 
 
+@launched
 @triton.jit
 def _moe_down_kernel(
     p_h, p_pairs, p_tile_e, p_tile_row, p_tile_n, p_wts, p_y,
@@ -251,6 +255,7 @@ def _moe_down_kernel(
             tl.store(p_o, cast_to(acc, p_y.dtype.element_ty, ON_CPU), mask=m_out)
 
 
+@launched
 @triton.jit
 def _moe_combine_kernel(
     p_y, p_res, p_out, T, D, stride_y, stride_rt, stride_ot,

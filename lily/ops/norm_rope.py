@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.ops.launch import launched
+
 Tensor = torch.Tensor
 
 
@@ -121,6 +123,7 @@ def gated_rmsnorm_rows(b_o, b_z, b_w, eps, VD: tl.constexpr):
     return b_o * b_r[:, None] * b_w[None, :] * silu(b_z)
 
 
+@launched
 @triton.jit
 def _gated_rmsnorm_kernel(
     o, z, w, out, n_rows, eps, VD: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,

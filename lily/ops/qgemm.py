@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lily.ops.launch import cdiv, check_weight, check_x, mask_lo
+from lily.ops.launch import cdiv, check_weight, check_x, launched, mask_lo
 from lily.ops.qgemv import _as_f
 from lily.ops.rmsnorm import cast_to, to_bf16
 from lily.quant import QuantWeight
@@ -100,6 +100,7 @@ def load_dequant(p_qw, p_s, p_b, stride_qn, stride_sn, o_n, m_n, g0, n_groups, m
     return dequant_tile(b_w, b_s, b_b, mask_lo, BITS)
 
 
+@launched
 @triton.jit
 def _qgemm_kernel(
     p_x, p_qw, p_s, p_b, p_out, T, N, K, stride_xt, stride_qn, stride_sn, stride_ot, mask_lo,

@@ -42,6 +42,7 @@ from lily.ops.launch import (
     cdiv,
     check_weight,
     check_x,
+    launched,
     mask_lo,
     pdl_launch,
     pow2,
@@ -247,6 +248,7 @@ def gemv_block(
     return acc
 
 
+@launched
 @triton.jit
 def _qgemv_kernel(
     p_x, p_qw, p_s, p_b, p_nw, p_res, p_out, p_part, p_ticket,

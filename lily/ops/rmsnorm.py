@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.ops.launch import launched
+
 Tensor = torch.Tensor
 
 _NORM_BLOCK = 4096  # x values per step of the norm statistics
@@ -71,6 +73,7 @@ def row_rstd(p_x, stride_xt, T, K, eps, BT: tl.constexpr, NORM_BLOCK: tl.constex
     return 1.0 / tl.sqrt_rn(b_ss / K + eps)
 
 
+@launched
 @triton.jit
 def _rmsnorm_kernel(
     p_x, p_r, p_w, p_sum, p_out, D, stride_x, stride_r, stride_s, stride_o, eps,

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from lily.ops import launch
 from lily.ops.launch import to_device
 
 
@@ -23,3 +26,61 @@ def test_to_device_copies_survive_a_busy_device():
     outs = [to_device([i, 2 * i, 3 * i], torch.long, torch.device("cuda")) for i in range(200)]
     torch.cuda.synchronize()
     assert all(o.tolist() == [i, 2 * i, 3 * i] for i, o in enumerate(outs))
+
+
+class _Compiled:
+    """Stands in for Triton's CompiledKernel: records what a direct launch passes."""
+
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, *a):
+        self.calls.append(a)
+
+
+def _kernel_source(p_x, n, eps, BLOCK: tl.constexpr, FLAG: tl.constexpr = False):
+    pass
+
+
+@pytest.fixture
+def fake_triton(monkeypatch):
+    """A real JITFunction whose Triton path is replaced by a recorder (no GPU here)."""
+    monkeypatch.setattr(launch, "_FAST", True)
+    monkeypatch.setattr(launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(launch, "_current_stream", lambda dev: 1234)
+    jf = triton.runtime.jit.JITFunction(_kernel_source)
+    slow: list = []
+
+    def run(*args, grid, warmup, **kwargs):
+        slow.append((grid, args, kwargs))
+        return _Compiled()
+
+    jf.run = run
+    return launch.Launched(jf), slow
+
+
+def test_launched_goes_direct_only_for_a_seen_signature(fake_triton):
+    k, slow = fake_triton
+    x = torch.zeros(64, dtype=torch.float32)
+    k[(3,)](x, 5, 1e-6, BLOCK=4)  # first: through Triton, which compiles
+    assert len(slow) == 1 and slow[0][0] == (3,)
+    k[(7, 2)](x, 5, 1e-6, BLOCK=4)  # same signature: the compiled kernel, directly
+    assert len(slow) == 1
+    compiled = next(iter(k.cache.values()))
+    # grid padded to 3-D, the stream, no metadata or hooks, then every parameter in order
+    # with the defaults filled in
+    assert compiled.calls == [(7, 2, 1, 1234, "fn", "meta", None, None, None, x, 5, 1e-6, 4,
+                               False)]  # fmt: skip
+    # anything Triton specializes on makes a new signature, which goes through Triton
+    k[(1,)](x[1:], 5, 1e-6, BLOCK=4)  # a pointer off 16-byte alignment
+    k[(1,)](x, 16, 1e-6, BLOCK=4)  # an int divisible by 16
+    k[(1,)](x, 1, 1e-6, BLOCK=4)  # an int equal to 1 (a constant in the kernel)
+    k[(1,)](x, 2**40, 1e-6, BLOCK=4)  # a 64-bit int
+    k[(1,)](x.double(), 5, 1e-6, BLOCK=4)  # another dtype
+    k[(1,)](x, 5, 1e-6, BLOCK=8)  # another constexpr
+    k[(1,)](x, 5, 1e-6, BLOCK=4, num_warps=8)  # another launch option
+    assert len(slow) == 8
+    k[(1,)](x, 7, 2e-6, BLOCK=4)  # values Triton does not specialize on: direct
+    assert len(slow) == 8 and len(compiled.calls) == 2
