@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lily.ops.launch import launched
+from lily.ops.launch import cdiv, launched, pow2
 from lily.ops.norm_rope import rms_rope_apply, rms_rope_load, sigmoid
 
 Tensor = torch.Tensor
@@ -235,9 +235,9 @@ def attention_decode(
 
     out = torch.empty(*lead, h * dh, dtype=qg.dtype, device=qg.device)
     g = h // hkv
-    gp = max(16, triton.next_power_of_2(g))
+    gp = max(16, pow2(g))
     sm_scale = dh**-0.5 * LOG2E
-    nb = triton.cdiv(max_len, split) if split else 1
+    nb = cdiv(max_len, split) if split else 1
     if split:
         o_part = torch.empty(hkv, nb, g, dh, dtype=torch.float32, device=qg.device)
         lse_part = torch.empty(hkv, nb, g, dtype=torch.float32, device=qg.device)
@@ -266,7 +266,7 @@ def attention_decode(
         DH=dh,
         R=2 * inv_freq.numel(),
         GP=gp,
-        BD=triton.next_power_of_2(dh),
+        BD=pow2(dh),
         BN=block_n,
         IS_SPLIT=split > 0,
         num_warps=num_warps,
@@ -285,7 +285,7 @@ def attention_decode(
             HKV=hkv,
             DH=dh,
             BB=16,
-            BD=triton.next_power_of_2(dh),
+            BD=pow2(dh),
             num_warps=4,
         )
     return out

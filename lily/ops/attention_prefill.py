@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lily.ops.launch import launched, to_device
+from lily.ops.launch import cdiv, launched, pow2, to_device
 from lily.ops.norm_rope import rms_rope_rows, sigmoid
 
 Tensor = torch.Tensor
@@ -217,10 +217,10 @@ def attention_prefill(
     _check(all(x.device == k_cache.device for x in tensors), "all tensors must be on one device")
     _check(block_m % g == 0, f"block_m={block_m} must be a multiple of the group size {g}")
 
-    bd = triton.next_power_of_2(dh)
+    bd = pow2(dh)
     q_buf = torch.empty(t, h, dh, dtype=k_cache.dtype, device=qg.device)
     bt = 8  # 16 rows of 256 spill registers at 4 warps (sm_90)
-    _prep_kernel[(triton.cdiv(t, bt), h + hkv)](
+    _prep_kernel[(cdiv(t, bt), h + hkv)](
         qg,
         k,
         v,
@@ -243,7 +243,7 @@ def attention_prefill(
         num_warps=4,
     )
     out = torch.empty(t, h * dh, dtype=qg.dtype, device=qg.device)
-    _flash_kernel[(triton.cdiv(t, block_m // g), hkv)](
+    _flash_kernel[(cdiv(t, block_m // g), hkv)](
         qg,
         q_buf,
         k_cache,

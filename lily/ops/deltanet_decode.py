@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lily.ops.launch import launched
+from lily.ops.launch import cdiv, launched, pow2
 from lily.ops.norm_rope import gated_rmsnorm_rows, sigmoid, silu
 
 Tensor = torch.Tensor
@@ -243,8 +243,8 @@ def deltanet_decode(
     tensors = (mixed_qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, norm_weight, state)
     _check(all(t.device == state.device for t in tensors), "all tensors must be on one device")
 
-    bv = min(triton.next_power_of_2(block_v), triton.next_power_of_2(vd))
-    nv = triton.cdiv(vd, bv)
+    bv = min(pow2(block_v), pow2(vd))
+    nv = cdiv(vd, bv)
     if workspace is None:
         workspace = DeltaNetDecodeWorkspace.new(hk, hv, vd, state.device)
     _check(
@@ -273,12 +273,12 @@ def deltanet_decode(
         K=kd,
         VD=vd,
         W=width,
-        BK=triton.next_power_of_2(kd),
+        BK=pow2(kd),
         BV=bv,
-        BVD=triton.next_power_of_2(vd),
-        WP=triton.next_power_of_2(max(width - 1, 1)),
+        BVD=pow2(vd),
+        WP=pow2(max(width - 1, 1)),
         NV=nv,
-        GP=triton.next_power_of_2(hv // hk),
+        GP=pow2(hv // hk),
         num_warps=num_warps,
     )
     return out

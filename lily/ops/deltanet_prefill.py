@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from lily.ops.deltanet_decode import deltanet_gates
-from lily.ops.launch import launched
+from lily.ops.launch import cdiv, launched, pow2
 from lily.ops.norm_rope import gated_rmsnorm, gated_rmsnorm_rows, silu
 
 Tensor = torch.Tensor
@@ -454,7 +454,7 @@ def deltanet_prefill(
         method == "scan" or min(kd, vd) >= 16,
         f"the chunked form needs K, Vd >= 16 (tensor-core tiles), got K={kd}, Vd={vd}",
     )
-    dev, bk, bvd = state.device, triton.next_power_of_2(kd), triton.next_power_of_2(vd)
+    dev, bk, bvd = state.device, pow2(kd), pow2(vd)
 
     _check(
         list(cuts) == sorted(set(cuts)) and all(0 < c < t for c in cuts) and
@@ -471,8 +471,8 @@ def deltanet_prefill(
     _check(width - 1 <= bt_prep, f"conv kernel {width} too wide")
     y = torch.empty(t, c, dtype=mixed_qkv.dtype, device=dev)
     g, beta = (torch.empty(t, hv, dtype=torch.float32, device=dev) for _ in range(2))
-    wp = triton.next_power_of_2(max(width - 1, 1))
-    _prep_kernel[(triton.cdiv(t, bt_prep), 2 * hk + hv)](
+    wp = pow2(max(width - 1, 1))
+    _prep_kernel[(cdiv(t, bt_prep), 2 * hk + hv)](
         mixed_qkv, conv_weight, conv_state, b, a, A_log, dt_bias, y, g, beta, t, kd**-0.5,
         HK=hk, HV=hv, K=kd, VD=vd, W=width, BT=bt_prep, BC=max(bk, bvd), WP=wp, num_warps=4,
     )  # fmt: skip
@@ -483,8 +483,8 @@ def deltanet_prefill(
         # no register spills at the real shapes (K = Vd = 128, sm_90): see mixer_kernels.md
         block_v = 16 if method == "scan" else 32
     # tl.dot needs 16 columns at least (chunk forms); the token scan takes any block
-    bv = min(max(triton.next_power_of_2(block_v), 1 if method == "scan" else 16), bvd)
-    nv = triton.cdiv(vd, bv)
+    bv = min(max(pow2(block_v), 1 if method == "scan" else 16), bvd)
+    nv = cdiv(vd, bv)
     fuse = nv == 1 and method != "chunk_par"
     out_dtype = mixed_qkv.dtype
     if fuse or method == "chunk_par":
@@ -516,14 +516,14 @@ def _recurrence(y, g, beta, z, norm_weight, state, o_buf, w, u, eps, method, chu
                 nv, fuse, num_warps, dims) -> None:  # fmt: skip
     """The state walk over T prepared tokens (one piece of a chunk), writing o_buf."""
     t, hv = g.shape
-    bk, bvd, kd = dims["BK"], triton.next_power_of_2(dims["VD"]), dims["K"]
+    bk, bvd, kd = dims["BK"], pow2(dims["VD"]), dims["K"]
     if method == "scan":
         _scan_kernel[(nv, hv)](
             y, g, beta, state, z, norm_weight, o_buf, t, eps, BV=bv, FUSE_NORM=fuse,
             num_warps=num_warps or 4, **dims,
         )  # fmt: skip
         return
-    nt = triton.cdiv(t, chunk_size)
+    nt = cdiv(t, chunk_size)
     nsq = max(0, (chunk_size // 16).bit_length() - 2)  # squarings until M^(BT/16) = 0
     _chunk_wy_kernel[(nt, hv)](
         y, g, beta, w, u, t, BT=chunk_size, BVD=bvd, NSQ=nsq, num_warps=4, **dims

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lily.ops.launch import launched
+from lily.ops.launch import cdiv, launched, pow2
 
 Tensor = torch.Tensor
 
@@ -154,9 +154,9 @@ def gated_rmsnorm(
         raise ValueError("gated_rmsnorm: o, z and weight must be contiguous")
     out = torch.empty(t, hv * vd, dtype=out_dtype, device=o.device)
     n_rows = t * hv
-    bv = triton.next_power_of_2(vd)
+    bv = pow2(vd)
     br = max(1, min(16, 4096 // bv))
-    _gated_rmsnorm_kernel[(triton.cdiv(n_rows, br),)](
+    _gated_rmsnorm_kernel[(cdiv(n_rows, br),)](
         o, z, weight, out, n_rows, eps, VD=vd, BR=br, BV=bv, num_warps=4
     )
     return out

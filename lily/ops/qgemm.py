@@ -207,12 +207,12 @@ def _launch_qgemm(
     n = w.shape[0]
     if cfg.block_k % w.group_size:
         raise ValueError(f"qgemm: block_k {cfg.block_k} must be a multiple of the group size")
-    grid = (triton.cdiv(n, cfg.block_n) * triton.cdiv(t, cfg.block_m),)
+    grid = (cdiv(n, cfg.block_n) * cdiv(t, cfg.block_m),)
     _qgemm_kernel[grid](
         x, w.qweight, w.scales, w.biases, out, t, n, k, x.stride(0), w.qweight.stride(0),
         w.scales.stride(0), out.stride(0), mask_lo(w.bits),
         BITS=w.bits, GROUP=w.group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, K_STEPS=triton.cdiv(k, cfg.block_k), GROUP_N=cfg.group_n,
+        BLOCK_K=cfg.block_k, K_STEPS=cdiv(k, cfg.block_k), GROUP_N=cfg.group_n,
         SPLIT_W=split_w, ON_CPU=x.device.type == "cpu",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
