@@ -171,6 +171,8 @@ class Launched:
         if self.fast:
             self.names = [p.name for p in params]
             self.defaults = {p.name: p.default for p in params if p.has_default}
+            # a constexpr passed by position is keyed by its value, like a keyword
+            self.by_value = tuple(p.is_constexpr for p in params)
         self.cache: dict = {}
 
     def __getitem__(self, grid):
@@ -181,8 +183,8 @@ class Launched:
             self.fn[grid](*args, **kwargs)
             return
         try:
-            key = (_current_device(), tuple(_spec(a) for a in args),
-                   tuple(sorted(kwargs.items())))  # fmt: skip
+            spec = tuple(a if v else _spec(a) for a, v in zip(args, self.by_value, strict=False))
+            key = (_current_device(), spec, tuple(sorted(kwargs.items())))
             kernel = self.cache.get(key)
         except TypeError:  # an argument kind the key does not cover, or unhashable
             self.fn[grid](*args, **kwargs)

@@ -84,3 +84,7 @@ def test_launched_goes_direct_only_for_a_seen_signature(fake_triton):
     assert len(slow) == 8
     k[(1,)](x, 7, 2e-6, BLOCK=4)  # values Triton does not specialize on: direct
     assert len(slow) == 8 and len(compiled.calls) == 2
+    k[(1,)](x, 7, 2e-6, 4)  # a constexpr by position: keyed by value, a new signature
+    k[(1,)](x, 7, 2e-6, 8)
+    k[(1,)](x, 7, 2e-6, 8)
+    assert len(slow) == 10
