@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 GREEDY_BELOW = 1e-5  # a temperature below this is greedy decoding
+NO_TOKEN = "no token to sample: the logits are all -inf or contain NaN"
 
 
 @dataclass(frozen=True)
@@ -189,7 +190,7 @@ class Sampler:
         # One sync for both the id and whether anything was sampleable at all.
         token = int(torch.where(torch.isfinite(x[best]), best, -1).item())
         if token < 0:
-            raise ValueError("no token to sample: the logits are all -inf or contain NaN")
+            raise ValueError(NO_TOKEN)
         return token
 
     def logprobs(
