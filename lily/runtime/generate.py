@@ -1,4 +1,9 @@
-"""The generation loop: chunked prefill, then one token at a time until a stop."""
+"""The generation loop: chunked prefill, then one token at a time until a stop.
+
+Two loops share the host's end checks (`_Ends`): the plain one samples on the host side
+of each step (logits processors and log-probs need it); the pipelined one, for runners
+that sample on the device, launches step k + 1 before the host reads token k.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lily.runtime.device_decode import DeviceDecode
 from lily.runtime.sampling import Sampler, SamplingParams
 from lily.runtime.stops import StopMatcher
 from lily.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -33,6 +39,9 @@ class Usage:
 class Runner:
     """What the loop needs from a forward path (reference or GPU)."""
 
+    # Set by runners that can decode from device-sampled tokens (see `decode_sampled`).
+    device_decode: DeviceDecode | None = None
+
     def prefill(self, ids: list[int], state) -> torch.Tensor:  # logits (V,) of the last
         raise NotImplementedError
 
@@ -57,13 +66,27 @@ class Runner:
                 snaps[cut] = state.snapshot_recurrent()
         return logits, snaps
 
+    def decode_sampled(self, state) -> None:
+        """One step whose input is the last draw of ``device_decode``, already on the
+        device: consume it at ``state.length``, draw the next, start its copy to the host.
+
+        NOTE: ``state.length`` advances and ``state.busy`` is set, but the consumed id is
+        not in ``state.tokens`` yet (the host does not know it): the loop appends it and
+        clears ``busy`` when it reads the draw.
+        """
+        raise NotImplementedError
+
 
 class ReferenceRunner(Runner):
-    """The plain-PyTorch forward, prefilling in chunks of ``chunk`` tokens."""
+    """The plain-PyTorch forward, prefilling in chunks of ``chunk`` tokens. With
+    ``sample_on_device`` it also offers the pipelined loop's hook, run eagerly."""
 
-    def __init__(self, model, chunk: int):
+    def __init__(self, model, chunk: int, sample_on_device: bool = False):
         self.model = model
         self.chunk = max(1, chunk)
+        if sample_on_device:
+            tok = torch.zeros(1, dtype=torch.long, device=model.device)
+            self.device_decode = DeviceDecode(tok, model.cfg.vocab_size)
 
     def prefill(self, ids: list[int], state) -> torch.Tensor:
         dev = self.model.device
@@ -80,6 +103,45 @@ class ReferenceRunner(Runner):
         with torch.inference_mode():
             return self.model.forward(t, state)[0]
 
+    def decode_sampled(self, state) -> None:
+        dd = self.device_decode
+        with torch.inference_mode():
+            dd.draw(self.model.forward(dd.tok, state)[0])
+            dd.send()
+        # The model's forward recorded the id; as with the GPU runner, the loop records it
+        # when it reads the draw.
+        state.tokens.pop()
+        state.busy = True
+
+
+class _Ends:
+    """The host's end checks, shared by both loops: EOS and stop ids, stop strings (text
+    that could still start one is held back), max_tokens."""
+
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, max_new: int):
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stopper = StopMatcher(params.stop)
+        self.ends = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self.ends |= set(tokenizer.eos_token_ids)
+        self.max_new = max_new
+        self.count = 0
+
+    def step(self, tok: int, lp=None, top=None) -> StepOutput:
+        """The output for the next token; ``finish_reason`` is set when it is the last."""
+        self.count += 1
+        stopper = self.stopper
+        if tok in self.ends:
+            text = stopper.feed(self.detok.flush()) + stopper.flush()
+            return StepOutput(tok, text, lp, top, finish_reason="stop")
+        text = stopper.feed(self.detok.push(tok))
+        if stopper.stopped:
+            return StepOutput(tok, text, lp, top, finish_reason="stop")
+        if self.count >= self.max_new:
+            text += stopper.feed(self.detok.flush()) + stopper.flush()
+            return StepOutput(tok, text, lp, top, finish_reason="length")
+        return StepOutput(tok, text, lp, top)
+
 
 def decode_loop(
     runner: Runner,
@@ -94,13 +156,12 @@ def decode_loop(
     usage: Usage,
 ) -> Iterator[StepOutput]:
     """Sample from ``logits`` (of the last prompt token) and continue until a stop."""
+    ends = _Ends(tokenizer, params, max_new)
+    if runner.device_decode is not None and logits_processor is None and params.logprobs is None:
+        yield from _pipelined(runner, state, logits, prompt_ids, params, cancelled, usage, ends)
+        return
     sampler = Sampler(params, logits.shape[-1], logits.device)
     sampler.observe_prompt(prompt_ids)
-    detok = IncrementalDetokenizer(tokenizer)
-    stopper = StopMatcher(params.stop)
-    ends = set(params.stop_token_ids)
-    if not params.ignore_eos:
-        ends |= set(tokenizer.eos_token_ids)
     generated: list[int] = []
     while True:
         if cancelled():
@@ -114,17 +175,39 @@ def decode_loop(
         generated.append(tok)
         usage.completion_tokens = len(generated)
         sampler.observe(tok)
-        if tok in ends:
-            text = stopper.feed(detok.flush()) + stopper.flush()
-            yield StepOutput(tok, text, lp, top, finish_reason="stop")
+        out = ends.step(tok, lp, top)
+        yield out
+        if out.finish_reason is not None:
             return
-        text = stopper.feed(detok.push(tok))
-        if stopper.stopped:
-            yield StepOutput(tok, text, lp, top, finish_reason="stop")
-            return
-        if len(generated) >= max_new:
-            text += stopper.feed(detok.flush()) + stopper.flush()
-            yield StepOutput(tok, text, lp, top, finish_reason="length")
-            return
-        yield StepOutput(tok, text, lp, top)
         logits = runner.decode(tok, state)
+
+
+def _pipelined(runner: Runner, state, logits: torch.Tensor, prompt_ids: list[int],
+               params: SamplingParams, cancelled: Callable[[], bool], usage: Usage,
+               ends: _Ends) -> Iterator[StepOutput]:  # fmt: skip
+    """The loop for device sampling: the step that consumes token i is launched before the
+    host waits for token i, so the device never idles on the host's checks.
+
+    A stop is seen one step late: the step launched for token i has already fed it to the
+    model, so token i goes into ``state.tokens`` (at every yield, state.length and
+    state.tokens name exactly what the model consumed). No step is launched past
+    ``max_new``.
+    """
+    dd = runner.device_decode
+    dd.start(params, prompt_ids, logits)  # draw 0, from the prefill logits
+    for i in range(ends.max_new):
+        if cancelled():
+            yield StepOutput(None, "", finish_reason="cancelled")
+            return
+        ahead = i + 1 < ends.max_new
+        if ahead:
+            runner.decode_sampled(state)  # consumes draw i, draws i + 1
+        tok = dd.recv(i)
+        if ahead:
+            state.tokens.append(tok)
+            state.busy = False
+        usage.completion_tokens = i + 1
+        out = ends.step(tok)
+        yield out
+        if out.finish_reason is not None:
+            return
