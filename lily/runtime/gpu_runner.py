@@ -4,6 +4,8 @@ Same maths and state as the reference runner (lily/model); what changes is how i
 packed weights feed fused-dequant GEMV/GEMM kernels, routing stays on the GPU, and a
 decode step is one graph replay. Graphs are captured per context bucket (powers of two)
 so attention's grid fits the context and long contexts take the split-KV kernel.
+With device sampling the graph also draws the next token into its own input buffer, so a
+step needs nothing from the host but its position.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from lily.ops.qgemm import qgemm
 from lily.ops.qgemv import qgemv
 from lily.ops.rmsnorm import add_rmsnorm, rmsnorm
 from lily.quant import QuantWeight, Weight
+from lily.runtime.device_decode import DeviceDecode
 from lily.runtime.generate import Runner
 from lily.runtime.state import DeltaNetState
 
@@ -107,7 +110,7 @@ def graph_key(state) -> tuple:
 class GpuRunner(Runner):
     """Kernel forward over the model's parameters and the engine's session state."""
 
-    def __init__(self, model, chunk: int, use_graphs: bool = True):
+    def __init__(self, model, chunk: int, use_graphs: bool = True, sample_on_device: bool = True):
         self.model = model
         self.cfg: ModelConfig = model.cfg
         self.p = model.params
@@ -123,6 +126,8 @@ class GpuRunner(Runner):
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.tok = torch.zeros(1, dtype=torch.long, device=self.dev)
         self.pos = torch.zeros(1, dtype=torch.int32, device=self.dev)
+        if sample_on_device:  # draws write self.tok: the graph's own input for the next step
+            self.device_decode = DeviceDecode(self.tok, self.cfg.vocab_size)
         self.fused = self._fuse_projections()
 
     def _fuse_projections(self) -> dict[int, tuple[Weight, list[int]]]:
@@ -290,6 +295,31 @@ class GpuRunner(Runner):
         state.busy = False
         return out
 
+    def decode_sampled(self, state) -> None:
+        start = state.length
+        for c in state.kv.values():
+            c.ensure(start + 1)
+        state.busy = True
+        dd = self.device_decode
+        with torch.inference_mode():
+            if not self.use_graphs:
+                self.pos.fill_(start)
+                self._step(state, self._bucket(start, state), sampled=True)
+            else:
+                graph, _ = self._graph(state, start, sampled=True)
+                self.pos.fill_(start)
+                graph.replay()
+            dd.send()
+        state.length = start + 1  # NOTE: the loop appends the id to state.tokens (see Runner)
+
+    def _step(self, state, bucket: int, sampled: bool) -> torch.Tensor:
+        """The decode step on ``self.tok`` at ``self.pos``; with ``sampled`` it also draws
+        the next token into ``self.tok`` (and the ring). Graph-safe."""
+        logits = self._decode_forward(self.tok, state, self.pos, bucket)
+        if sampled:
+            self.device_decode.draw(logits)
+        return logits
+
     def _bucket(self, start: int, state) -> int:
         cap = min(c.capacity for c in state.kv.values()) if state.kv else start + 1
         b = _MIN_BUCKET
@@ -297,25 +327,32 @@ class GpuRunner(Runner):
             b *= 2
         return min(b, cap)
 
-    def _graph(self, state, start: int):
-        """The captured step for this state's buffers and context bucket."""
+    def _graph(self, state, start: int, sampled: bool = False):
+        """The captured step for this state's buffers and context bucket (with ``sampled``,
+        for the sampler's current structure)."""
         bucket = self._bucket(start, state)
         key = (bucket, graph_key(state))
+        dd = self.device_decode
+        if sampled:
+            key += dd.ident()
         if key not in self.graphs:
             if len(self.graphs) > 16:  # buffers moved (new state): old graphs are dead
                 self.graphs.clear()
-            # Warm up outside the graph (compiles kernels, allocator pools) on scratch
-            # copies, so the real state is untouched.
+            # Warm up outside the graph (compiles kernels, allocator pools), then put back
+            # what it changed: the DeltaNet states, and the token and sampler counters.
             snap = state.snapshot_recurrent()
+            drawn = dd.snapshot() if sampled else None
             self.pos.fill_(start)
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):
-                self._decode_forward(self.tok, state, self.pos, bucket)
+                self._step(state, bucket, sampled)
             torch.cuda.current_stream().wait_stream(s)
+            if sampled:
+                dd.restore(drawn)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                out = self._decode_forward(self.tok, state, self.pos, bucket)
+                out = self._step(state, bucket, sampled)
             state.restore(snap, state.length)
             self.graphs[key] = (graph, out)
         return self.graphs[key]

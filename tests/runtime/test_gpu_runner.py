@@ -6,14 +6,19 @@ the Triton interpreter (no graphs), on a shorter sequence.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 from lily.checkpoint import TINY_TEXT_CONFIG, write_random_checkpoint
 from lily.config import ModelConfig
 from lily.model.model import Model
+from lily.runtime.generate import Usage, decode_loop
 from lily.runtime.gpu_runner import GpuRunner
+from lily.runtime.sampling import SamplingParams
 from lily.runtime.state import SessionState
+from lily.tokenizer import Tokenizer
 from lily.weights import load_params
 
 CUDA = torch.cuda.is_available()
@@ -33,10 +38,16 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def checkpoint(tmp_path_factory):
     # Both sides are ours here, so the checkpoint comes from our own MLX-layout writer.
     d = tmp_path_factory.mktemp("kernel-runner")
     write_random_checkpoint(d, TINY_TEXT_CONFIG, "mlx4", seed=3, progress=False)
+    return d
+
+
+@pytest.fixture(scope="module")
+def models(checkpoint):
+    d = checkpoint
     cfg = ModelConfig.from_dir(d)
     ref = Model(cfg, load_params(d, cfg, device=DEVICE, dtype=torch.float32, progress=False),
                 torch.float32)  # fmt: skip
@@ -145,3 +156,59 @@ def test_graph_key_sees_the_kv_capacity(models):
     c.k = c.k.reshape(-1)[: hkv * (cap // 2) * dh].view(hkv, cap // 2, dh)
     c.v = c.v.reshape(-1)[: hkv * (cap // 2) * dh].view(hkv, cap // 2, dh)
     assert graph_key(st) != before
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_decode_and_draw_in_one_graph(models, checkpoint):
+    """The step and the device draw captured together: the greedy stream equals the plain
+    loop's (host argmax, no graphs) over 32 tokens; seeded draws equal the same draws
+    without graphs, also for a second request replaying the captured graph with reloaded
+    values; launching a step never waits for the device."""
+    _, fast = models
+    tokenizer = Tokenizer.from_dir(checkpoint)
+    prompt = [7, 300, 12, 45, 99, 1, 250, 31, 8, 77, 400, 5, 6, 140, 141, 142, 9, 3, 21]
+    n = 32
+
+    def stream(runner, params, st=None):
+        if st is None:
+            st = SessionState.new(fast.cfg, DEVICE, torch.bfloat16, 512, initial_capacity=512)
+        logits = runner.prefill(prompt, st)
+        steps = list(decode_loop(runner, tokenizer, st, logits, prompt, params, n,
+                                 lambda: False, None, Usage()))  # fmt: skip
+        assert st.length == len(st.tokens) == len(prompt) + n - 1 and not st.busy
+        return [s.token_id for s in steps], st
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    host, _ = stream(GpuRunner(fast, chunk=16, use_graphs=False, sample_on_device=False), greedy)
+    graphed = GpuRunner(fast, chunk=16, use_graphs=True)
+    got, _ = stream(graphed, greedy)
+    assert got == host
+    assert any(len(k) == 4 for k in graphed.graphs)  # the sampled step was captured
+
+    eager = GpuRunner(fast, chunk=16, use_graphs=False)
+    st = None
+    for seed in (5, 6):  # the second request reuses the state's buffers, so the graph too
+        params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, repetition_penalty=1.1,
+                                seed=seed, max_tokens=n, ignore_eos=True)  # fmt: skip
+        if st is not None:
+            for s in st.deltanet.values():
+                s.conv.zero_()
+                s.recurrent.zero_()
+            st.length = 0
+            st.tokens.clear()
+            captured = len(graphed.graphs)
+        got, st = stream(graphed, params, st)
+        assert got == stream(eager, params)[0], seed
+        if seed == 6:
+            assert len(graphed.graphs) == captured
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(4):
+                graphed.decode_sampled(st)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert caught == []

@@ -16,7 +16,7 @@ import torch
 from lily.config import EngineConfig
 from lily.runtime.device_sampling import DeviceSampler
 from lily.runtime.engine import Engine
-from lily.runtime.generate import ReferenceRunner, Usage
+from lily.runtime.generate import ReferenceRunner, Usage, decode_loop
 from lily.runtime.sampling import NO_TOKEN, SamplingParams
 from lily.runtime.state import SessionState
 
@@ -196,3 +196,37 @@ def test_failed_draw_reaches_the_host_but_feeds_a_valid_id(engines):
     assert int(dd.tok) == 0  # what the step already queued behind it embeds
     with pytest.raises(ValueError, match=f"^{NO_TOKEN}$"):
         dd.recv(0)
+
+
+def test_gpu_runner_hook_without_graphs(hf_tiny_dir):
+    """The kernel runner's decode_sampled (graphs off) with a stand-in forward whose argmax
+    is a known function of the token and position: the loop's stream and bookkeeping."""
+    from lily.runtime.gpu_runner import GpuRunner
+
+    engine = Engine.load(hf_tiny_dir, CFG, progress=False)  # its own: the runner fuses params
+    runner = GpuRunner(engine.model, 16, use_graphs=False)
+    v = engine.cfg.vocab_size
+    seen_pos = []
+
+    def forward(ids, state, pos, max_len):
+        seen_pos.append(int(pos))
+        target = (ids * 37 + pos.long() * 11 + 5) % v
+        return torch.zeros(v).scatter(0, target, 1.0)
+
+    runner._decode_forward = forward
+    assert runner.device_decode.tok is runner.tok  # draws write the graph's own input
+    state = SessionState.new(engine.cfg, "cpu", torch.float32, 256)
+    state.length, state.tokens = len(PROMPT), list(PROMPT)
+    first = torch.zeros(v)
+    first[77] = 1.0
+    params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+    steps = list(decode_loop(runner, engine.tokenizer, state, first, PROMPT, params, 9,
+                             lambda: False, None, Usage()))  # fmt: skip
+    want = [77]
+    for j in range(1, 9):
+        want.append((want[-1] * 37 + (len(PROMPT) + j - 1) * 11 + 5) % v)
+    assert [s.token_id for s in steps] == want
+    assert steps[-1].finish_reason == "length"
+    assert seen_pos == list(range(len(PROMPT), len(PROMPT) + 8))  # never past max_tokens
+    assert state.tokens == PROMPT + want[:-1] and state.length == len(state.tokens)
+    assert not state.busy
