@@ -160,6 +160,7 @@ def test_sampled_stream_equals_a_sequential_replay(engines):
 
 def test_nan_logits_raise_the_samplers_error_and_the_state_is_dropped(engines, monkeypatch):
     piped, plain, _ = engines
+    want = greedy_reference(piped, PROMPT, 3)
     messages = []
     for e in (piped, plain):
         forward = e.model.forward
@@ -179,7 +180,7 @@ def test_nan_logits_raise_the_samplers_error_and_the_state_is_dropped(engines, m
             for s in e.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=10,
                                                        ignore_eos=True)):  # fmt: skip
                 steps.append(s)
-        assert [s.token_id for s in steps] == greedy_reference(e, PROMPT, 3)
+        assert [s.token_id for s in steps] == want
         messages.append(str(err.value))
         monkeypatch.undo()
     assert messages == [NO_TOKEN, NO_TOKEN]
