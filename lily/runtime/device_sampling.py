@@ -183,7 +183,9 @@ class DeviceSampler:
             if s.top_p:
                 probs = torch.softmax(sorted_x, dim=-1)
                 drop = torch.cumsum(probs, dim=-1) - probs >= self.top_p
-                drop[0] = False  # the most likely token always stays
+                # the most likely token always stays (fill_, not drop[0] = False: that
+                # copies a host scalar, which a CUDA graph capture refuses)
+                drop[:1].fill_(False)
                 x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), -math.inf)
         if s.min_p:
             x = x.masked_fill(x < x.max() + self.log_min_p, -math.inf)
