@@ -191,7 +191,9 @@ def _pipelined(runner: Runner, state, logits: torch.Tensor, prompt_ids: list[int
     A stop is seen one step late: the step launched for token i has already fed it to the
     model, so token i goes into ``state.tokens`` (at every yield, state.length and
     state.tokens name exactly what the model consumed). No step is launched past
-    ``max_new``.
+    ``max_new``. The first token is the exception: it goes out before the step that
+    consumes it is launched, because that launch may first capture a graph (a new context
+    bucket or cache: tens of milliseconds) that the time to first token should not wait on.
     """
     dd = runner.device_decode
     dd.start(params, prompt_ids, logits)  # draw 0, from the prefill logits
@@ -200,10 +202,11 @@ def _pipelined(runner: Runner, state, logits: torch.Tensor, prompt_ids: list[int
             yield StepOutput(None, "", finish_reason="cancelled")
             return
         ahead = i + 1 < ends.max_new
-        if ahead:
+        early = ahead and i > 0
+        if early:
             runner.decode_sampled(state)  # consumes draw i, draws i + 1
         tok = dd.recv(i)
-        if ahead:
+        if early:
             state.tokens.append(tok)
             state.busy = False
         usage.completion_tokens = i + 1
@@ -211,3 +214,7 @@ def _pipelined(runner: Runner, state, logits: torch.Tensor, prompt_ids: list[int
         yield out
         if out.finish_reason is not None:
             return
+        if ahead and not early:  # the first token is out: now its step
+            runner.decode_sampled(state)
+            state.tokens.append(tok)
+            state.busy = False
