@@ -20,7 +20,13 @@ from typing import NamedTuple
 
 import torch
 
-from lily.runtime.sampling import NO_TOKEN, SamplingParams
+from lily.runtime.sampling import (
+    NO_TOKEN,
+    SamplingParams,
+    check_logits,
+    mark_seen,
+    penalize,
+)
 
 _GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment (the golden ratio in 64 bits)
 _MUL1 = 0xBF58476D1CE4E5B9
@@ -74,9 +80,7 @@ class Structure(NamedTuple):
 
     @classmethod
     def of(cls, p: SamplingParams, vocab_size: int) -> Structure:
-        penalties = (
-            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-        )
+        penalties = p.has_penalties
         if p.greedy:  # temperature and the truncations are never applied
             return cls(True, penalties, False, False, False)
         return cls(False, penalties, 0 < p.top_k < vocab_size, p.top_p < 1.0, p.min_p > 0.0)
@@ -142,30 +146,17 @@ class DeviceSampler:
         self.step.zero_()
         self.seen.zero_()
         self.counts.zero_()
-        if s.penalties and len(prompt_ids) > 0:
-            for i in (min(prompt_ids), max(prompt_ids)):
-                if not 0 <= i < self.vocab_size:
-                    raise ValueError(f"token id {i} is outside 0..{self.vocab_size - 1}")
-            ids = torch.as_tensor(list(prompt_ids), dtype=torch.long, device=self.device)
-            self.seen[ids] = True
+        if s.penalties:
+            mark_seen(self.seen, prompt_ids)
 
     def penalized(self, logits: torch.Tensor) -> torch.Tensor:
         """fp32 logits after the repetition, frequency and presence penalties."""
-        if logits.dim() != 1 or logits.shape[0] != self.vocab_size:
-            raise ValueError(
-                f"logits: expected shape ({self.vocab_size},), got {tuple(logits.shape)}"
-            )
-        if logits.device.type != self.device.type:
-            raise ValueError(f"logits are on {logits.device}, the sampler on {self.device}")
+        check_logits(logits, self.vocab_size, self.device)
         x = logits.float()
         if not self.structure.penalties:
             return x
-        # NOTE: a neutral value leaves x bit-identical (x / 1, x * 1, x - 0), so applying
-        # all three whenever one is set equals Sampler applying only those that are set.
-        r = self.repetition
-        x = torch.where(self.seen, torch.where(x > 0, x / r, x * r), x)
-        x = x - self.frequency * self.counts
-        return x - self.presence * (self.counts > 0).float()
+        return penalize(x, self.seen, self.counts, self.repetition, self.frequency,
+                        self.presence)  # fmt: skip
 
     def warp(self, x: torch.Tensor) -> torch.Tensor:
         """Penalized logits -> temperature-scaled, with what top-k, top-p and min-p exclude

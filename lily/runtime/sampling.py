@@ -54,6 +54,15 @@ class SamplingParams:
         """True when the draw is an argmax."""
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def has_penalties(self) -> bool:
+        """True when any of the three penalties changes the logits."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
     def validate(self) -> None:
         """Raise ValueError naming the first bad field (NaN, wrong type, out of range)."""
         _real("temperature", self.temperature, lo=0.0)
@@ -115,52 +124,32 @@ class Sampler:
         else:
             self.generator.manual_seed(params.seed)
             self.seed = params.seed
-        p = params
-        self._penalize = (
-            p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-        )
+        self._penalize = params.has_penalties
         # Counts live on the device so penalties never copy them to the host.
         self._seen = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)
         self._counts = torch.zeros(vocab_size, dtype=torch.float32, device=self.device)
 
-    def _check_id(self, token_id: int) -> None:
-        if not 0 <= token_id < self.vocab_size:
-            raise ValueError(f"token id {token_id} is outside 0..{self.vocab_size - 1}")
-
     def observe_prompt(self, ids: Sequence[int]) -> None:
         """Mark prompt tokens as seen (they count for the repetition penalty only)."""
-        if not self._penalize or len(ids) == 0:
-            return
-        for i in (min(ids), max(ids)):
-            self._check_id(i)
-        self._seen[torch.as_tensor(list(ids), dtype=torch.long, device=self.device)] = True
+        if self._penalize:
+            mark_seen(self._seen, ids)
 
     def observe(self, token_id: int) -> None:
         """Record a generated token (for all three penalties)."""
-        self._check_id(token_id)
+        check_id(token_id, self.vocab_size)
         if self._penalize:
             self._seen[token_id] = True
             self._counts[token_id] += 1.0
 
     def penalized(self, logits: torch.Tensor) -> torch.Tensor:
         """fp32 logits after the repetition, frequency and presence penalties."""
-        if logits.dim() != 1 or logits.shape[0] != self.vocab_size:
-            raise ValueError(
-                f"logits: expected shape ({self.vocab_size},), got {tuple(logits.shape)}"
-            )
-        if logits.device.type != self.device.type:
-            raise ValueError(f"logits are on {logits.device}, the sampler on {self.device}")
+        check_logits(logits, self.vocab_size, self.device)
         x = logits.float()
         if not self._penalize:
             return x
         p = self.params
-        if p.repetition_penalty != 1.0:
-            r = p.repetition_penalty
-            x = torch.where(self._seen, torch.where(x > 0, x / r, x * r), x)
-        if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-            x = x - p.frequency_penalty * self._counts
-            x = x - p.presence_penalty * (self._counts > 0).float()
-        return x
+        return penalize(x, self._seen, self._counts, p.repetition_penalty,
+                        p.frequency_penalty, p.presence_penalty)  # fmt: skip
 
     def warp(self, x: torch.Tensor) -> torch.Tensor:
         """Penalized fp32 logits -> temperature-scaled logits with the tokens that top-k,
@@ -202,7 +191,7 @@ class Sampler:
         top-p or min-p (as vLLM's processed logprobs less the temperature): what the model
         believes, not the truncated distribution drawn from.
         """
-        self._check_id(token_id)
+        check_id(token_id, self.vocab_size)
         lp = torch.log_softmax(self.penalized(logits), dim=-1)
         k = max(0, min(k, self.vocab_size))
         top = torch.topk(lp, k)
@@ -220,3 +209,37 @@ def _top_p(x: torch.Tensor, top_p: float) -> torch.Tensor:
     drop = mass_before >= top_p
     drop[0] = False  # the most likely token always stays
     return x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), -math.inf)
+
+
+def check_id(token_id: int, vocab_size: int) -> None:
+    if not 0 <= token_id < vocab_size:
+        raise ValueError(f"token id {token_id} is outside 0..{vocab_size - 1}")
+
+
+def mark_seen(seen: torch.Tensor, ids: Sequence[int]) -> None:
+    """Set ``seen`` (V,) bool at the prompt's ids (checked against V first)."""
+    if len(ids) == 0:
+        return
+    for i in (min(ids), max(ids)):
+        check_id(i, seen.shape[0])
+    seen[torch.as_tensor(list(ids), dtype=torch.long, device=seen.device)] = True
+
+
+def check_logits(logits: torch.Tensor, vocab_size: int, device: torch.device) -> None:
+    if logits.dim() != 1 or logits.shape[0] != vocab_size:
+        raise ValueError(f"logits: expected shape ({vocab_size},), got {tuple(logits.shape)}")
+    if logits.device.type != device.type:
+        raise ValueError(f"logits are on {logits.device}, the sampler on {device}")
+
+
+def penalize(x: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor, repetition,
+             frequency, presence) -> torch.Tensor:  # fmt: skip
+    """fp32 logits ``x`` after vLLM's repetition penalty (tokens ``seen`` in the prompt or
+    output), then the frequency and presence penalties (output ``counts``). The three
+    values may be numbers or device tensors (a captured graph reads them there).
+
+    NOTE: a neutral value leaves x bit-identical (x / 1, x * 1, x - 0), so applying all
+    three whenever one is set equals applying only those that are set."""
+    x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
+    x = x - frequency * counts
+    return x - presence * (counts > 0).float()
