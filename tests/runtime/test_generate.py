@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from lily.config import EngineConfig
 from lily.runtime.engine import ContextLengthError, Engine
 from lily.runtime.sampling import SamplingParams
-from lily.runtime.state import SessionState
 
 
 @pytest.fixture(scope="module")
@@ -16,23 +14,12 @@ def engine(hf_tiny_dir) -> Engine:
     return Engine.load(hf_tiny_dir, EngineConfig(prefill_chunk=5, max_context=256), progress=False)
 
 
-def greedy_reference(engine: Engine, prompt: list[int], n: int) -> list[int]:
-    """Argmax continuation by calling the model directly, one token at a time."""
-    state = SessionState.new(engine.cfg, "cpu", torch.float32, 256)
-    logits = engine.model.forward(torch.tensor(prompt), state)[0]
-    out = []
-    for _ in range(n):
-        out.append(int(logits.argmax()))
-        logits = engine.model.forward(torch.tensor(out[-1:]), state)[0]
-    return out
-
-
 def collect(engine, prompt, **kw):
     steps = list(engine.generate(prompt, SamplingParams(**kw)))
     return [s.token_id for s in steps if s.token_id is not None], steps
 
 
-def test_greedy_matches_direct_argmax_and_max_tokens(engine):
+def test_greedy_matches_direct_argmax_and_max_tokens(engine, greedy_reference):
     prompt = [3, 50, 7, 120, 9, 11, 300]
     ids, steps = collect(engine, prompt, temperature=0.0, max_tokens=12, ignore_eos=True)
     assert ids == greedy_reference(engine, prompt, 12)
@@ -45,7 +32,7 @@ def test_text_is_the_detokenized_ids(engine):
     assert "".join(s.text for s in steps) == engine.tokenizer.decode(ids)
 
 
-def test_stop_token_ids_end_generation(engine):
+def test_stop_token_ids_end_generation(engine, greedy_reference):
     prompt = [3, 50, 7, 120]
     ref = greedy_reference(engine, prompt, 6)
     ids, steps = collect(engine, prompt, temperature=0.0, max_tokens=6, stop_token_ids=(ref[2],))
@@ -53,7 +40,7 @@ def test_stop_token_ids_end_generation(engine):
     assert steps[-1].finish_reason == "stop"
 
 
-def test_stop_string_cuts_text(engine):
+def test_stop_string_cuts_text(engine, greedy_reference):
     prompt = [3, 50, 7, 120]
     full = engine.tokenizer.decode(greedy_reference(engine, prompt, 10))
     cut = full[3:6]
@@ -91,7 +78,7 @@ def test_prompt_over_the_window_is_refused(engine):
         list(engine.generate(list(range(250)), SamplingParams(max_tokens=10)))
 
 
-def test_cancel_during_prefill_stops_between_chunks(engine):
+def test_cancel_during_prefill_stops_between_chunks(engine, greedy_reference):
     chunks = []
     orig = engine.runner.prefill_snapshots
 

@@ -34,17 +34,6 @@ def engines(hf_tiny_dir) -> tuple[Engine, Engine, Engine]:
     return piped, plain, Engine.load(hf_tiny_dir, cold_cfg, progress=False)
 
 
-def greedy_reference(engine: Engine, prompt: list[int], n: int) -> list[int]:
-    """Argmax continuation by calling the model directly, one token at a time."""
-    state = SessionState.new(engine.cfg, "cpu", torch.float32, 256)
-    logits = engine.model.forward(torch.tensor(prompt), state)[0]
-    out = []
-    for _ in range(n):
-        out.append(int(logits.argmax()))
-        logits = engine.model.forward(torch.tensor(out[-1:]), state)[0]
-    return out
-
-
 def run(engine: Engine, prompt: list[int], cancel_after: int | None = None, **kw):
     calls = []
 
@@ -73,7 +62,7 @@ def assert_resumable(piped: Engine, cold: Engine, consumed: list[int]) -> None:
     assert rel(warm, cold.prefill(nxt)) <= 1e-5
 
 
-def test_greedy_stream_equals_plain_loop_and_model(engines, monkeypatch):
+def test_greedy_stream_equals_plain_loop_and_model(engines, monkeypatch, greedy_reference):
     piped, plain, _ = engines
 
     def host_decode(*args):
@@ -111,7 +100,9 @@ def stop_cases(ref: list[int], full: str) -> dict:
 
 
 @pytest.mark.parametrize("case", list(stop_cases(list(range(REF)), "x" * 20)))
-def test_stops_match_plain_loop_and_leave_a_consistent_state(engines, monkeypatch, case):
+def test_stops_match_plain_loop_and_leave_a_consistent_state(
+    engines, monkeypatch, case, greedy_reference
+):
     piped, plain, cold = engines
     ref = greedy_reference(piped, PROMPT, REF)
     full = piped.tokenizer.decode(ref)
@@ -159,7 +150,9 @@ def test_sampled_stream_equals_a_sequential_replay(engines):
     assert len(set(ids)) > 3  # really sampled
 
 
-def test_nan_logits_raise_the_samplers_error_and_the_state_is_dropped(engines, monkeypatch):
+def test_nan_logits_raise_the_samplers_error_and_the_state_is_dropped(
+    engines, monkeypatch, greedy_reference
+):
     piped, plain, _ = engines
     want = greedy_reference(piped, PROMPT, 3)
     messages = []
