@@ -10,10 +10,9 @@ import json
 
 import torch
 
+from bench.full_model import FULL, full_params, kernel_engine
 from bench.op_hooks import hook_ops
 from lily.bench.measure import pseudo_text_ids
-from lily.bench.random_model import engine_from_params, model_config, random_params
-from lily.config import EngineConfig
 
 
 def checksum(t) -> list:
@@ -33,12 +32,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--out")
     args = ap.parse_args()
-    cfg = model_config("full")
-    params = random_params(cfg, "cuda")
-    ecfg = EngineConfig(device="cuda", dtype="bfloat16", prefill_chunk=args.chunk,
-                        max_context=65536, use_kernels=True, prefix_cache_gb=0)  # fmt: skip
-    eng = engine_from_params(cfg, params, ecfg)
-    ids = pseudo_text_ids(args.tokens, cfg.vocab_size, seed=3)
+    eng = kernel_engine(full_params(), chunk=args.chunk)
+    ids = pseudo_text_ids(args.tokens, FULL.vocab_size, seed=3)
     log: list = []
 
     hook_ops(lambda name, a, out: log.append((name, checksum(list(a)), checksum(out))))

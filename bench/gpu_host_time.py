@@ -19,10 +19,9 @@ from collections import defaultdict
 import torch
 
 import lily.runtime.gpu_runner as gr
+from bench.full_model import full_params, kernel_engine
 from bench.op_hooks import RUNNER_OPS
 from lily.bench.measure import env_info, pseudo_text_ids
-from lily.bench.random_model import engine_from_params, model_config, random_params
-from lily.config import EngineConfig
 
 SLEEP_CYCLES = 3_000_000_000  # about 1.5 s at the H200's clock: longer than any enqueue
 
@@ -45,10 +44,7 @@ def main() -> None:
     ap.add_argument("--cuts", default="2,1123", help="snapshot offsets inside the prompt")
     ap.add_argument("--out")
     args = ap.parse_args()
-    cfg = model_config("full")
-    params = random_params(cfg, "cuda")
-    eng = engine_from_params(cfg, params, EngineConfig(device="cuda", dtype="bfloat16",
-                             prefill_chunk=4096, max_context=65536, use_kernels=True))  # fmt: skip
+    eng = kernel_engine(full_params())
     ids = pseudo_text_ids(args.tokens, 1100, seed=1)
     cuts = [int(c) for c in args.cuts.split(",") if c]
     st = eng.new_state()

@@ -14,8 +14,8 @@ from functools import partial
 
 import torch
 
+from bench.full_model import write_json
 from bench.gpu_linear_kernels import TOP_K, D, bench_ms, moe_weights
-from lily.bench.measure import env_info
 from lily.ops.moe_prefill import MoePrefillConfig, moe_prefill, moe_prefill_config
 from lily.ops.qgemm import GemmConfig, gemm_config, qgemm
 from lily.quant import quantize
@@ -98,9 +98,7 @@ def main() -> None:
                          table=cfg == table)  # fmt: skip
                 print(json.dumps(r), flush=True)
                 rows.append(r)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"env": env_info("cuda"), "args": vars(args), "rows": rows}, f, indent=1)
+    write_json(args.out, args, rows=rows)
 
 
 if __name__ == "__main__":

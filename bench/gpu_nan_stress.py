@@ -13,10 +13,8 @@ import json
 
 import torch
 
+from bench.full_model import full_params, kernel_engine, write_json
 from bench.op_hooks import first_nonfinite, hook_ops
-from lily.bench.measure import env_info
-from lily.bench.random_model import engine_from_params, model_config, random_params
-from lily.config import EngineConfig
 
 
 def poison_free_memory(frac: float = 0.6) -> None:
@@ -37,11 +35,7 @@ def main() -> None:
     args = ap.parse_args()
     found: list = []
     hook_ops(first_nonfinite(found))
-    cfg = model_config("full")
-    params = random_params(cfg, "cuda")
-    common = dict(device="cuda", dtype="bfloat16", prefill_chunk=4096, max_context=65536,
-                  use_kernels=True, prefix_cache_gb=0.0)  # fmt: skip
-    eng = engine_from_params(cfg, params, EngineConfig(**common))
+    eng = kernel_engine(full_params())
     ids = list(range(10, 10 + args.tokens))
     rows = []
     for it in range(args.iters):
@@ -64,9 +58,7 @@ def main() -> None:
                 row["first_nonfinite_op"] = list(found)
             print(json.dumps(row), flush=True)
             rows.append(row)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"env": env_info("cuda"), "args": vars(args), "rows": rows}, f, indent=1)
+    write_json(args.out, args, rows=rows)
 
 
 if __name__ == "__main__":

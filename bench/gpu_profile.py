@@ -17,10 +17,9 @@ import time
 
 import torch
 
+from bench.full_model import full_params, kernel_engine
 from bench.op_hooks import first_nonfinite, hook_ops
 from lily.bench.measure import env_info, kernel_times, pseudo_text_ids
-from lily.bench.random_model import engine_from_params, model_config, random_params
-from lily.config import EngineConfig
 
 # Kernel name fragments -> what they belong to (first match wins).
 KINDS = (
@@ -178,11 +177,7 @@ def main() -> None:
     ap.add_argument("--host", type=int, default=0, help="cProfile the host side at this T")
     ap.add_argument("--out")
     args = ap.parse_args()
-    cfg = model_config("full")
-    params = random_params(cfg, "cuda")
-    ecfg = EngineConfig(device="cuda", dtype="bfloat16", prefill_chunk=args.chunk,
-                        max_context=65536, use_kernels=True, prefix_cache_gb=0)  # fmt: skip
-    eng = engine_from_params(cfg, params, ecfg)
+    eng = kernel_engine(full_params(), chunk=args.chunk)
     res: dict = {"env": env_info("cuda"), "args": vars(args), "prefill": [], "decode": []}
 
     def dump() -> None:
@@ -205,7 +200,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         poison_allocator()
         st = eng.new_state()
-        ids = pseudo_text_ids(n, cfg.vocab_size, seed=8)
+        ids = pseudo_text_ids(n, eng.cfg.vocab_size, seed=8)
         logits = eng.runner.prefill(ids, st)
         bad = int((~torch.isfinite(logits)).sum())
         nxt = eng.runner.decode(int(torch.nan_to_num(logits).argmax()), st)

@@ -14,10 +14,8 @@ import time
 
 import torch
 
+from bench.full_model import full_params, kernel_engine, write_json
 from bench.op_hooks import first_nonfinite, hook_ops
-from lily.bench.measure import env_info
-from lily.bench.random_model import engine_from_params, model_config, random_params
-from lily.config import EngineConfig
 from lily.runtime.sampling import SamplingParams
 
 
@@ -117,9 +115,7 @@ def replay(engine, args, found: list) -> None:
                 row["first_nonfinite_op"] = list(found)
             print(json.dumps(row), flush=True)
             rows.append(row)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"env": env_info("cuda"), "args": vars(args), "replay": rows}, f, indent=1)
+    write_json(args.out, args, replay=rows)
 
 
 def main() -> None:
@@ -163,12 +159,9 @@ def main() -> None:
             return c
 
         mp.moe_prefill_config = old
-    cfg = model_config("full")
-    params = random_params(cfg, "cuda")
-    common = dict(device="cuda", dtype="bfloat16", prefill_chunk=args.chunk, max_context=65536,
-                  use_kernels=True)  # fmt: skip
-    warm = engine_from_params(cfg, params, EngineConfig(**common, prefix_cache_gb=2.0))
-    cold = engine_from_params(cfg, params, EngineConfig(**common, prefix_cache_gb=0.0))
+    params = full_params()
+    warm = kernel_engine(params, chunk=args.chunk, prefix_cache_gb=2.0)
+    cold = kernel_engine(params, chunk=args.chunk)
     # Compile the kernels for the chunk shapes before timing anything.
     for e in (warm, cold):
         try:
@@ -221,10 +214,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         rows.append(row)
         msgs.append({"role": "assistant", "content": reply})
-    out = {"env": env_info("cuda"), "args": vars(args), "turns": rows}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(args.out, args, turns=rows)
 
 
 if __name__ == "__main__":
