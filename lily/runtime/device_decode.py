@@ -32,11 +32,12 @@ class DeviceDecode:
         self.host = torch.zeros(SLOTS, dtype=torch.long, pin_memory=cuda)
         self.events = [torch.cuda.Event() for _ in range(SLOTS)] if cuda else None
         self.sent = 0  # draws of this request whose copy to the host has been started
+        # Taken once: these tensors are only ever written in place (a key per step).
+        self._addresses = (tok.data_ptr(), self.ring.data_ptr(), *self.sampler.ident())
 
     def ident(self) -> tuple:
         """What a captured draw bakes in: the sampler's structure and every address."""
-        addresses = (self.tok.data_ptr(), self.ring.data_ptr(), *self.sampler.ident())
-        return self.sampler.structure, addresses
+        return self.sampler.structure, self._addresses
 
     def start(self, params: SamplingParams, prompt_ids: Sequence[int], logits: torch.Tensor):
         """Load a request and draw its first token from the prefill logits, eagerly."""

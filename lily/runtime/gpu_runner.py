@@ -273,44 +273,37 @@ class GpuRunner(Runner):
         return logits, snaps
 
     def decode(self, token_id: int, state) -> torch.Tensor:
-        start = state.length
-        for c in state.kv.values():
-            c.ensure(start + 1)
-        state.busy = True
+        self.tok.fill_(token_id)
         with torch.inference_mode():
-            if not self.use_graphs:
-                self.pos.fill_(start)
-                t = to_device([token_id], torch.long, self.dev)
-                out = self._decode_forward(t, state, self.pos, self._bucket(start, state))
-            else:
-                graph, static_out = self._graph(state, start)
-                self.tok.fill_(token_id)
-                self.pos.fill_(start)
-                graph.replay()
-                # NOTE: the graph writes the same buffer every step; hand out a copy so a
-                # caller may keep logits across steps (1 MB, about a microsecond).
-                out = static_out.clone()
-        state.length = start + 1
+            # NOTE: a graph writes the same buffer every step; hand out a copy so a caller
+            # may keep logits across steps (1 MB, about a microsecond).
+            out = self._advance(state, sampled=False).clone()
         state.tokens.append(token_id)
         state.busy = False
         return out
 
     def decode_sampled(self, state) -> None:
+        self._advance(state, sampled=True)
+        self.device_decode.send()
+        # NOTE: the loop appends the id to state.tokens and clears busy (see Runner)
+
+    def _advance(self, state, sampled: bool) -> torch.Tensor:
+        """One step on the id in ``self.tok`` at ``state.length``, eager or replayed; the
+        length advances and ``state.busy`` stays set for the caller to clear."""
         start = state.length
         for c in state.kv.values():
             c.ensure(start + 1)
         state.busy = True
-        dd = self.device_decode
         with torch.inference_mode():
-            if not self.use_graphs:
-                self.pos.fill_(start)
-                self._step(state, self._bucket(start, state), sampled=True)
-            else:
-                graph, _ = self._graph(state, start, sampled=True)
+            if self.use_graphs:
+                graph, out = self._graph(state, start, sampled)
                 self.pos.fill_(start)
                 graph.replay()
-            dd.send()
-        state.length = start + 1  # NOTE: the loop appends the id to state.tokens (see Runner)
+            else:
+                self.pos.fill_(start)
+                out = self._step(state, self._bucket(start, state), sampled)
+        state.length = start + 1
+        return out
 
     def _step(self, state, bucket: int, sampled: bool) -> torch.Tensor:
         """The decode step on ``self.tok`` at ``self.pos``; with ``sampled`` it also draws
