@@ -67,15 +67,21 @@ def sync_time(fn) -> float:
     return time.perf_counter() - t0
 
 
-def profile_prefill(engine, n: int) -> dict:
+def profile_prefill(engine, n: int, context: int = 0) -> dict:
+    """T = n new tokens; with ``context``, after that many tokens of history (a reused
+    multi-turn prompt: the DeltaNet states restored from a snapshot, the KV cache kept)."""
     runner = engine.runner
     ids = pseudo_text_ids(n, engine.cfg.vocab_size, seed=n)
+    base = engine.new_state()
+    for c in base.kv.values():
+        c.ensure(context + n + 8)
+    if context:
+        runner.prefill(pseudo_text_ids(context, engine.cfg.vocab_size, seed=1), base)
+    snap = base.snapshot_recurrent()
 
     def once():
-        st = engine.new_state()
-        for c in st.kv.values():
-            c.ensure(n + 8)
-        return runner.prefill(ids, st)
+        base.restore(snap, context)
+        return runner.prefill(ids, base)
 
     once()
     walls = sorted(sync_time(once) for _ in range(3))
@@ -87,7 +93,7 @@ def profile_prefill(engine, n: int) -> dict:
     torch.cuda.synchronize()
     kt = kernel_times(once, reps=2, key_width=90)
     dev_us = sum(v for k, v in kt.items() if k != "error")
-    return {"tokens": n, "wall_ms": round(walls[1] * 1e3, 2), "tok_s": round(n / walls[1]),
+    return {"tokens": n, "context": context, "wall_ms": round(walls[1] * 1e3, 2), "tok_s": round(n / walls[1]),
             "host_enqueue_ms": round(host * 1e3, 2), "kernel_sum_ms": round(dev_us / 1e3, 2),
             "by_kind_us": split(kt), "top_kernels_us": top(kt)}  # fmt: skip
 
@@ -174,6 +180,7 @@ def main() -> None:
     ap.add_argument("--decode-context", default="256")
     ap.add_argument("--poison", default="12970", help="prompt lengths to run on dirty memory")
     ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--context", type=int, default=0, help="history before each prefill")
     ap.add_argument("--host", type=int, default=0, help="cProfile the host side at this T")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -190,7 +197,7 @@ def main() -> None:
         res["host_profile"] = host_profile(eng, args.host)
         print(res["host_profile"][:6000], flush=True)
     for n in [int(x) for x in args.prefill.split(",") if x]:
-        res["prefill"].append(profile_prefill(eng, n))
+        res["prefill"].append(profile_prefill(eng, n, args.context))
         dump()
     for c in [int(x) for x in args.decode_context.split(",") if x]:
         res["decode"].append(profile_decode(eng, c))
