@@ -34,9 +34,10 @@ from triton.testing import do_bench
 
 from lily.bench.measure import attempt, kernel_times
 from lily.ops.attention_decode import attention_decode, default_split
-from lily.ops.attention_prefill import attention_prefill
+from lily.ops.attention_prefill import attention_prefill, flash_split
 from lily.ops.deltanet_decode import DeltaNetDecodeWorkspace, deltanet_decode
 from lily.ops.deltanet_prefill import deltanet_prefill
+from lily.ops.launch import cdiv
 from lily.ops.norm_rope import rope_inv_freq
 from lily.ops.ref_mixer import ref_attention, ref_deltanet
 
@@ -56,6 +57,10 @@ ATTN_SPLITS = (64, 256, 1024)  # tried beside the plain variant and default_spli
 ATTN_PREFILL_SHAPES = ((512, 0), (2048, 0), (8192, 0), (512, 1536), (2048, 30720))  # T, start
 # block_m, block_n, warps (the default first)
 ATTN_PREFILL_CONFIGS = [(64, 32, 4), (64, 64, 8), (32, 64, 4), (128, 32, 8), (64, 16, 4)]
+# Key splits of the prefill (T, start): short chunks after a long history (reused turns)
+ATTN_SPLIT_SHAPES = ((1128, 16080), (512, 16000), (2048, 16000), (1128, 4000), (4096, 0),
+                     (4096, 12288), (4096, 126976))  # fmt: skip
+ATTN_SPLIT_TRIES = (1, 2, 3, 4, 6, 8, 12)
 BF16 = torch.bfloat16
 DEV = "cuda"
 
@@ -282,6 +287,37 @@ def attn_prefill(gen: torch.Generator, mm_tflops: float) -> list[dict]:
     return rows
 
 
+def attn_split(gen: torch.Generator, mm_tflops: float) -> list[dict]:
+    """The default prefill tile with its keys split S ways, and the S that flash_split picks."""
+    rows = []
+    inv_freq = rope_inv_freq(R, THETA, DEV)
+    n_sm = torch.cuda.get_device_properties(DEV).multi_processor_count
+    for t, start in ATTN_SPLIT_SHAPES:
+        d = attn_inputs(t, start + t, gen, start)
+        ref = ref_attention(*attn_args(d), start, R, THETA)[0]
+        torch.cuda.empty_cache()
+        flops = 4 * H * DH * (t * start + t * (t + 1) // 2)
+        start_t = torch.tensor([start], device=DEV)
+        auto = flash_split(cdiv(t, 64 // (H // HKV)) * HKV, start + t, n_sm, 32)
+
+        def measure(split: int, d=d, ref=ref, flops=flops, start_t=start_t, auto=auto):
+            def call():
+                return attention_prefill(*attn_args(d), start_t, inv_freq, split=split)
+
+            err = rel(call(), ref)
+            ms = graph_ms(call)
+            tflops = flops / ms / 1e9
+            return {"ms": ms, "TFLOPs": tflops, "frac_matmul": tflops / mm_tflops,
+                    "rel_err": err, "picked": split == auto}  # fmt: skip
+
+        for split in dict.fromkeys((auto, *ATTN_SPLIT_TRIES)):
+            base = {"op": "attn_split", "T": t, "start": start, "split": split}
+            attempt(rows, base, lambda sp=split, f=measure: f(sp))
+        del d, ref
+        torch.cuda.empty_cache()
+    return rows
+
+
 # ----------------------------------------------------------------------------- compile
 
 
@@ -404,6 +440,7 @@ SECTIONS = {
     "dn_prefill": ["T", "method", "block_v", "ms", "ms_eager", "ms_30_layers", "rel_err"],
     "attn_prefill": ["T", "start", "block_m", "block_n", "num_warps", "ms", "ms_eager", "TFLOPs",
                      "rel_err"],
+    "attn_split": ["T", "start", "split", "picked", "ms", "TFLOPs", "rel_err"],
 }  # fmt: skip
 
 
@@ -461,6 +498,7 @@ def main() -> None:
         "attn_decode": lambda: attn_decode(gen, ceil["copy_GBps"]),
         "dn_prefill": lambda: dn_prefill(gen),
         "attn_prefill": lambda: attn_prefill(gen, ceil["bf16_matmul_TFLOPs"]),
+        "attn_split": lambda: attn_split(gen, ceil["bf16_matmul_TFLOPs"]),
     }
     tables = [head]
     for name in names:

@@ -1,6 +1,6 @@
 """Gated full attention, prefill: a chunk of T queries at positions [start, start+T).
 
-Two kernels:
+Kernels:
 1. ``_prep_kernel``: per token and head, q/k RMSNorm and partial RoPE; the queries go to a
    (T, H, Dh) buffer in the cache dtype, K and V of the chunk into the cache rows
    [start, start+T).
@@ -9,6 +9,10 @@ Two kernels:
    so each K/V tile serves all G heads. Online softmax in base 2, fp32 accumulators,
    tensor-core products in the cache dtype; the causal mask is applied only on the tiles
    that cross the diagonal. The output is multiplied by sigmoid(gate) and written (T, H*Dh).
+3. Split keys (``split`` > 1, chosen by ``flash_split``): a short chunk after a long history
+   has few programs, each walking all the keys, so the GPU's last wave runs nearly empty;
+   then each program takes one share of the key tiles and writes a normalised fp32 partial
+   and its log-sum-exp, and ``_flash_combine_kernel`` merges the shares and applies the gate.
 ``start`` may be a Python int or a one-element device tensor.
 """
 
@@ -72,10 +76,11 @@ def _prep_kernel(
 @launched
 @triton.jit
 def _flash_kernel(
-    qg, q_buf, k_cache, v_cache, p_start, out, T, T_MAX, sm_scale, H: tl.constexpr,
-    HKV: tl.constexpr, DH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+    qg, q_buf, k_cache, v_cache, p_start, out, o_part, lse_part, T, T_MAX, sm_scale, n_split,
+    H: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BD: tl.constexpr, IS_SPLIT: tl.constexpr,
 ):  # fmt: skip
-    i_m, i_kvh = tl.program_id(0), tl.program_id(1)
+    i_m, i_kvh, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     G: tl.constexpr = H // HKV
     BMT: tl.constexpr = BM // G  # tokens per program
     start = tl.load(p_start).to(tl.int32)
@@ -101,7 +106,15 @@ def _flash_kernel(
     last_pos = tl.minimum(first_pos + BMT, start + T)  # one past the last key any row sees
     last_pos = tl.minimum(last_pos, T_MAX)  # never read past the cache (see _prep_kernel)
     n_full = tl.minimum((first_pos // BN) * BN, T_MAX // BN * BN)
-    for n0 in range(0, n_full, BN):  # tiles fully below the diagonal: no mask
+    n_lo = 0
+    n_hi = n_full
+    d_lo = n_full
+    if IS_SPLIT:  # this program's share of the full tiles; the last one takes the diagonal
+        per = tl.cdiv(n_full // BN, n_split) * BN
+        n_lo = tl.minimum(i_s * per, n_full)
+        n_hi = tl.minimum(n_lo + per, n_full)
+        d_lo = tl.where(i_s == n_split - 1, n_full, last_pos)
+    for n0 in range(n_lo, n_hi, BN):  # tiles fully below the diagonal: no mask
         o_n = n0 + tl.arange(0, BN)
         b_k = tl.load(p_kc + o_n[:, None] * DH + o_d[None, :], mask=m_d[None, :], other=0.0)
         b_v = tl.load(p_vc + o_n[:, None] * DH + o_d[None, :], mask=m_d[None, :], other=0.0)
@@ -112,7 +125,7 @@ def _flash_kernel(
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
         b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
         b_m = b_mn
-    for n0 in range(n_full, last_pos, BN):  # tiles crossing the diagonal
+    for n0 in range(d_lo, last_pos, BN):  # tiles crossing the diagonal
         o_n = n0 + tl.arange(0, BN)
         m_n = o_n < last_pos
         b_k = tl.load(
@@ -129,19 +142,81 @@ def _flash_kernel(
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
         b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
         b_m = b_mn
-    # padded rows (token >= T) saw only masked keys: keep them finite, they are not stored
-    b_l = tl.where(m_t, b_l, 1.0)
-    b_gate = tl.load(
-        qg + o_t[:, None] * (H * 2 * DH) + head[:, None] * (2 * DH) + DH + o_d[None, :],
-        mask=m_rd,
-        other=0.0,
-    ).to(tl.float32)
-    b_o = b_acc / b_l[:, None] * sigmoid(b_gate)
-    tl.store(
-        out + o_t[:, None] * (H * DH) + head[:, None] * DH + o_d[None, :],
-        b_o.to(out.dtype.element_ty),
-        mask=m_rd,
-    )
+    if IS_SPLIT:
+        # Normalised partial and its log-sum-exp (base 2); a share with no keys (l = 0)
+        # writes 0 and -inf, which the combine weighs by exp2(-inf) = 0.
+        row = o_t * H + head
+        b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
+        p_o = o_part + (i_s * T + o_t[:, None]) * (H * DH) + head[:, None] * DH + o_d[None, :]
+        tl.store(p_o, b_o, mask=m_rd)
+        tl.store(lse_part + i_s * T * H + row, b_m + tl.log2(b_l), mask=m_t)
+    else:
+        # padded rows (token >= T) saw only masked keys: keep them finite, not stored
+        b_l = tl.where(m_t, b_l, 1.0)
+        p_g = qg + o_t[:, None] * (H * 2 * DH) + head[:, None] * (2 * DH) + DH + o_d[None, :]
+        b_gate = tl.load(p_g, mask=m_rd, other=0.0).to(tl.float32)
+        b_o = b_acc / b_l[:, None] * sigmoid(b_gate)
+        tl.store(
+            out + o_t[:, None] * (H * DH) + head[:, None] * DH + o_d[None, :],
+            b_o.to(out.dtype.element_ty),
+            mask=m_rd,
+        )
+
+
+@launched
+@triton.jit
+def _flash_combine_kernel(
+    qg, o_part, lse_part, out, R, n_split, H: tl.constexpr, DH: tl.constexpr, BR: tl.constexpr,
+    BD: tl.constexpr,
+):  # fmt: skip
+    """Rows (token, head) of the split-KV partials merged in split order, then the gate."""
+    o_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    m_r = o_r < R
+    o_d = tl.arange(0, BD)
+    m_rd = m_r[:, None] & (o_d < DH)[None, :]
+    p_g = qg + (o_r // H)[:, None] * (H * 2 * DH) + (o_r % H)[:, None] * (2 * DH) + DH
+    b_gate = tl.load(p_g + o_d[None, :], mask=m_rd, other=0.0).to(tl.float32)
+    b_m = tl.full([BR], float("-inf"), dtype=tl.float32)
+    b_w = tl.zeros([BR], dtype=tl.float32)
+    b_acc = tl.zeros([BR, BD], dtype=tl.float32)
+    for s in range(n_split):
+        # the diagonal share (the last) always holds a key, so the final max is finite
+        b_lse = tl.load(lse_part + s * R + o_r, mask=m_r, other=float("-inf"))
+        b_o = tl.load(o_part + (s * R + o_r)[:, None] * DH + o_d[None, :], mask=m_rd, other=0.0)
+        b_mn = tl.maximum(b_m, b_lse)
+        b_mn = tl.where(b_mn == float("-inf"), 0.0, b_mn)  # nothing yet: keep exp2 finite
+        b_alpha = tl.exp2(b_m - b_mn)
+        b_e = tl.exp2(b_lse - b_mn)
+        b_acc = b_acc * b_alpha[:, None] + b_e[:, None] * b_o
+        b_w = b_w * b_alpha + b_e
+        b_m = b_mn
+    b_o = b_acc / tl.where(m_r, b_w, 1.0)[:, None] * sigmoid(b_gate)
+    p_out = out + o_r[:, None] * DH + o_d[None, :]
+    tl.store(p_out, b_o.to(out.dtype.element_ty), mask=m_rd)
+
+
+SPLIT_SLOTS_PER_SM = 2  # flash programs resident per SM (BM 64, Dh 256: registers, smem)
+
+
+def flash_split(programs: int, keys: int, n_sm: int, block_n: int) -> int:
+    """Key splits for a chunk whose programs leave the GPU's last wave mostly idle.
+
+    Every program of a chunk walks the whole history, so at 1-2K tokens after a long one
+    (a reused multi-turn prompt: 282 programs at 1,128 tokens) the last partial wave costs
+    as much as a full one. Splitting the keys S ways turns the wave tail into S times finer
+    pieces, for the price of the fp32 partials (8 bytes per element, written and read):
+    cost(S) = ceil(P S / slots) / S + S * 200 / keys, the second term from the partials'
+    bytes against the key tiles' FLOPs at the measured rates; each share keeps at least 8
+    key tiles."""
+    slots = SPLIT_SLOTS_PER_SM * n_sm
+    best, best_cost = 1, float(cdiv(programs, slots))
+    for s in range(2, 17):
+        if keys < 8 * block_n * s:
+            break
+        cost = cdiv(programs * s, slots) / s + s * 200 / keys
+        if cost < best_cost:
+            best, best_cost = s, cost
+    return best
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -165,6 +240,7 @@ def attention_prefill(
     block_n: int = 32,
     num_warps: int = 4,
     num_stages: int = 2,
+    split: int | None = None,
 ) -> Tensor:
     """Gated causal attention of T tokens at positions [start, start+T) (MODEL.md).
 
@@ -172,7 +248,8 @@ def attention_prefill(
     (multipliers); k_cache, v_cache (Hkv, T_max, Dh) with rows [0, start) filled, rows
     [start, start+T) written here; start an int or one-element int device tensor (then the
     caller guarantees start + T <= T_max); inv_freq (R/2,) fp32 from ``rope_inv_freq``.
-    Returns (T, H*Dh) in qg's dtype.
+    Returns (T, H*Dh) in qg's dtype. ``split``: key splits (partials merged by a second
+    kernel); by default ``flash_split`` picks them when start is an int, else 1.
     """
     _check(
         k_cache.dim() == 3
@@ -203,12 +280,18 @@ def attention_prefill(
         inv_freq.dim() == 1 and inv_freq.dtype == torch.float32 and 2 * inv_freq.numel() <= dh,
         f"inv_freq must be fp32 (R/2,) with R <= {dh}, got {tuple(inv_freq.shape)}",
     )
+    programs = cdiv(t, block_m // g) * hkv
     if isinstance(start, int):
         _check(
             0 <= start and start + t <= t_max,
             f"positions [{start}, {start + t}) do not fit a cache of {t_max}",
         )
+        if split is None and qg.is_cuda:
+            n_sm = torch.cuda.get_device_properties(qg.device).multi_processor_count
+            split = flash_split(programs, start + t, n_sm, block_n)
         start = to_device([start], torch.int32, qg.device)
+    split = split or 1
+    _check(split >= 1, f"split must be >= 1, got {split}")
     _check(
         start.numel() == 1 and not start.dtype.is_floating_point,
         f"start must be an int or a one-element integer tensor, got {start.dtype}",
@@ -243,23 +326,19 @@ def attention_prefill(
         num_warps=4,
     )
     out = torch.empty(t, h * dh, dtype=qg.dtype, device=qg.device)
-    _flash_kernel[(cdiv(t, block_m // g), hkv)](
-        qg,
-        q_buf,
-        k_cache,
-        v_cache,
-        start,
-        out,
-        t,
-        t_max,
-        dh**-0.5 * LOG2E,
-        H=h,
-        HKV=hkv,
-        DH=dh,
-        BM=block_m,
-        BN=block_n,
-        BD=bd,
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
+    if split > 1:
+        o_part = torch.empty(split, t * h, dh, dtype=torch.float32, device=qg.device)
+        lse_part = torch.empty(split, t * h, dtype=torch.float32, device=qg.device)
+    else:
+        o_part = lse_part = out
+    _flash_kernel[(cdiv(t, block_m // g), hkv, split)](
+        qg, q_buf, k_cache, v_cache, start, out, o_part, lse_part, t, t_max, dh**-0.5 * LOG2E,
+        split, H=h, HKV=hkv, DH=dh, BM=block_m, BN=block_n, BD=bd, IS_SPLIT=split > 1,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if split > 1:
+        br = 16
+        _flash_combine_kernel[(cdiv(t * h, br),)](
+            qg, o_part, lse_part, out, t * h, split, H=h, DH=dh, BR=br, BD=bd, num_warps=4
+        )
     return out

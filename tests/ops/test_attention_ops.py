@@ -210,6 +210,35 @@ def test_prefill_chunks_match_one_shot_reference(device, split, block_m, block_n
     assert d["k_cache"][:, 37:].isnan().all()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.filterwarnings("ignore:divide by zero")  # log2(0) of an empty share
+@pytest.mark.parametrize("split", [2, 3, 7])
+def test_prefill_split_kv_matches_reference(device, split):
+    """Keys split S ways (partials, then the combine): 9 tokens after 70 cached ones, real
+    group of 8 query heads, fp32. 3 ways leaves shares of 2, 2 and 0 full tiles plus the
+    diagonal; 7 ways gives empty shares (no keys: weight 0). The unsplit kernel on the same
+    input agrees too."""
+    d = make_inputs(9, 96, h=16, dtype=torch.float32, device=device, seed=11)
+    fill_cache(d, 70)
+    ref_out, _, _ = reference(d, 70, slice(0, 9))
+    out = prefill(d, 70, slice(0, 9), block_m=16, block_n=16, split=split)
+    assert out.shape == (9, 16 * 64)
+    assert rel(out, ref_out) < DOT_F32_TOL
+    plain = prefill(d, 70, slice(0, 9), block_m=16, block_n=16, split=1)
+    assert rel(out, plain) < DOT_F32_TOL
+
+
+def test_flash_split_fills_the_last_wave():
+    """The split rule: 282 programs on 132 SMs (two a SM) after 16K keys leave the second
+    wave 7% full, so it splits; a chunk of many waves, or a short history, does not."""
+    fs = OPS["attn_prefill"].flash_split
+    s = fs(282, 17208, 132, 32)
+    assert 4 <= s <= 12
+    assert fs(1024, 4096, 132, 32) == 1  # 4096 tokens from position 0: 3.9 waves
+    assert fs(282, 1128, 132, 32) <= 4  # a short history: the partials would cost more
+    assert fs(10, 200, 132, 32) == 1  # under 8 key tiles a share
+
+
 def test_prefill_rejects_bad_input():
     d = make_inputs(4, 8, dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match=r"positions \[6, 10\) do not fit a cache of 8"):
