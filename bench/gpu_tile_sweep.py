@@ -48,11 +48,12 @@ GATE_UP = [G(16, 64, 64, 4, 3), G(16, 128, 64, 8, 3), G(16, 64, 128, 4, 4), G(16
 DOWN = [G(16, 64, 128, 4, 4), G(16, 128, 64, 8, 3), G(16, 64, 64, 4, 3), G(16, 128, 128, 8, 3),
         G(16, 256, 64, 8, 3), G(16, 128, 64, 4, 4)]  # fmt: skip
 MOE_T = (256, 1664, 4096)
-DENSE = [("dn qkv|z|b|a", 12352, 2048), ("out/o_proj", 2048, 4096)]
+DENSE = [("dn qkv|z|b|a", 12352, 2048), ("attn q|k|v", 9216, 2048), ("out/o_proj", 2048, 4096)]
 DENSE_T = (256, 1664)
 DENSE_CFGS = [G(64, 64, 64, 4, 3), G(64, 128, 64, 4, 4), G(128, 128, 64, 8, 3),
               G(64, 256, 64, 8, 3), G(128, 64, 64, 4, 4), G(32, 128, 64, 4, 4),
-              G(128, 256, 64, 8, 3)]  # fmt: skip
+              G(128, 256, 64, 8, 3), G(128, 128, 64, 8, 2), G(64, 128, 64, 8, 3),
+              G(64, 64, 64, 4, 4), G(128, 64, 64, 4, 3)]  # fmt: skip
 GEMV = [("dn qkv|z|b|a +norm", 12352, 2048, True), ("attn q|k|v +norm", 9216, 2048, True),
         ("out/o_proj +res", 2048, 4096, False)]  # fmt: skip
 GEMV_CFGS = [GemvConfig(n, g, s, w) for n, g, s, w in (
@@ -66,10 +67,10 @@ MOE_DECODE = [MoeDecodeConfig(), MoeDecodeConfig(gate_up_rows=4), MoeDecodeConfi
               MoeDecodeConfig(router_rows=2, shared_rows=4, gate_up_rows=4, down_rows=4)]  # fmt: skip  # noqa: E501
 
 
-def moe_rows(ceil, w, gen) -> list[dict]:
+def moe_rows(ceil, w, gen, moe_t=MOE_T) -> list[dict]:
     rows: list[dict] = []
     args = list(w.values())
-    for t in MOE_T:
+    for t in moe_t:
         x = torch.randn(t, D, generator=gen, device=DEV).to(BF16)
         res = torch.randn(t, D, generator=gen, device=DEV).to(BF16)
         ref = ref_moe(x[:64], *args, TOP_K, res[:64])
@@ -100,11 +101,11 @@ def moe_rows(ceil, w, gen) -> list[dict]:
     return rows
 
 
-def dense_rows(ceil, gen) -> list[dict]:
+def dense_rows(ceil, gen, dense_t=DENSE_T) -> list[dict]:
     rows: list[dict] = []
     for name, n, k in DENSE:
         w = rand_qweight((n, k), 4, gen)
-        for t in DENSE_T:
+        for t in dense_t:
             x = torch.randn(t, k, generator=gen, device=DEV).to(BF16)
             ref = ref_qlinear(x[:32], w)
             flop = 2 * t * n * k
@@ -183,13 +184,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="gemv,moe_decode,moe,dense")
     ap.add_argument("--out")
+    ap.add_argument("--moe-t", default=",".join(map(str, MOE_T)), help="token counts (MoE)")
+    ap.add_argument("--dense-t", default=",".join(map(str, DENSE_T)), help="token counts (qgemm)")
     args = ap.parse_args()
+    moe_t = tuple(int(x) for x in args.moe_t.split(","))
+    dense_t = tuple(int(x) for x in args.dense_t.split(","))
     gen = torch.Generator(device=DEV).manual_seed(0)
     ceil = ceilings()
     res: dict = {"ceilings": ceil}
     w = moe_weights(gen)
     parts = {"gemv": lambda: gemv_rows(ceil, gen), "moe_decode": lambda: moe_decode_rows(ceil, w, gen),  # noqa: E501
-             "moe": lambda: moe_rows(ceil, w, gen), "dense": lambda: dense_rows(ceil, gen)}  # fmt: skip  # noqa: E501
+             "moe": lambda: moe_rows(ceil, w, gen, moe_t),
+             "dense": lambda: dense_rows(ceil, gen, dense_t)}  # fmt: skip  # noqa: E501
     for name in args.only.split(","):
         res[name] = parts[name]()
         for r in res[name]:
