@@ -58,12 +58,22 @@ class Entry:
         return self.kv is not None and any(k.device.type == "cpu" for k, _ in self.kv.values())
 
 
+_BLOCK = 512  # tokens compared per list-slice equality (C speed) before the item loop
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists.
+
+    A Python loop over a 17K-token conversation took about 1 ms of every reused turn's
+    time to first token; whole blocks are compared as slices first, items only inside the
+    block that differs."""
     n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    i = 0
+    while i + _BLOCK <= n and a[i : i + _BLOCK] == b[i : i + _BLOCK]:
+        i += _BLOCK
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 class PrefixCache:

@@ -6,6 +6,7 @@ import pytest
 
 from lily.config import EngineConfig
 from lily.runtime.engine import Engine
+from lily.runtime.prefix_cache import common_prefix
 from lily.runtime.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -145,3 +146,16 @@ def test_cached_state_is_a_real_saving(engines):
         assert sum(calls) < len(ids2) - len(ids) + 20
     finally:
         warm.runner.prefill = orig
+
+
+@pytest.mark.parametrize("diverge", [0, 1, 511, 512, 513, 1023, 1024, 1500, None])
+def test_common_prefix_at_block_edges(diverge):
+    """The block-wise comparison against the definition: the first index where the lists
+    differ (or the shorter length), at and around the 512-token block edges."""
+    a = [(i * 7919) % 13 for i in range(1500)]
+    b = list(a) + [5, 6]
+    if diverge is not None:
+        b[diverge] = 99
+    want = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), min(len(a), len(b)))
+    assert common_prefix(a, b) == common_prefix(b, a) == want
+    assert common_prefix(a[:diverge], b) == len(a[:diverge])
