@@ -334,7 +334,7 @@ def _qgemv_stream_kernel(
         rstd = 1.0 / tl.sqrt_rn(tl.sum(tl.sum(b_xf * b_xf, axis=1), axis=0) / K + eps)
     b_xp, b_xs, b_xps = x_prep(norm_x(b_x, b_nw, rstd, HAS_NORM, ON_CPU), BITS, BLOCK_G)
     for _ in range(ITERS):
-        o_nx = o_n + n_p * BLOCK_N * 2
+        o_nx = o_n + n_p * BLOCK_N
         # NOTE: issued before this block's FMAs; past the last block the rows are all
         # masked, and a fully masked load reads no memory.
         nx_w, nx_s, nx_b = load_words(p_qw, p_s, p_b, stride_qn, stride_sn, o_nx, o_nx < N, 0,
