@@ -17,6 +17,10 @@ Grid: (row blocks, SPLIT_K). With SPLIT_K > 1 every program writes an fp32 parti
 last program of a row block (an atomic ticket) adds them in a fixed order, so no extra launch
 and deterministic results.
 
+One row on a big weight (8 MB and up, T = 1): a persistent kernel instead, SMs x 3 programs
+walking row blocks, each loading the next block's words while it computes the current one
+(register double-buffering; ``GemvConfig.programs_per_sm``), x' prepared once a program.
+
 Optional RMSNorm prologue (``norm_weight``): the GEMV consumes ``rmsnorm(x) * w_norm``. x is
 a few KB, so every program computes the row statistics itself (fp32) instead of a separate
 norm launch; it issues its weight loads first so the statistics hide under their latency.
@@ -308,8 +312,10 @@ def _qgemv_kernel(
         tl.store(p_o, cast_to(acc, p_out.dtype.element_ty, ON_CPU), mask=m_tn)
 
 
+# NOTE: stride_sn unspecialized: known to be a multiple of 16, the scale and bias loads are
+# vectorized into a layout whose conversion took 255 registers (2 programs an SM, not 3).
 @launched
-@triton.jit
+@triton.jit(do_not_specialize=["stride_sn"])
 def _qgemv_stream_kernel(
     p_x, p_qw, p_s, p_b, p_nw, p_res, p_out, N, K, stride_qn, stride_sn, mask_lo, eps,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
