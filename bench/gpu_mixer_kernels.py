@@ -34,7 +34,7 @@ from triton.testing import do_bench
 
 from lily.bench.measure import attempt, kernel_times
 from lily.ops.attention_decode import attention_decode, default_split
-from lily.ops.attention_prefill import attention_prefill, flash_split
+from lily.ops.attention_prefill import attention_prefill, flash_per_sm, flash_split
 from lily.ops.deltanet_decode import DeltaNetDecodeWorkspace, deltanet_decode
 from lily.ops.deltanet_prefill import deltanet_prefill
 from lily.ops.launch import cdiv
@@ -61,6 +61,7 @@ ATTN_PREFILL_CONFIGS = [(64, 32, 4), (64, 64, 8), (32, 64, 4), (128, 32, 8), (64
 ATTN_SPLIT_SHAPES = ((1128, 16080), (512, 16000), (2048, 16000), (1128, 4000), (4096, 0),
                      (4096, 12288), (4096, 126976))  # fmt: skip
 ATTN_SPLIT_TRIES = (1, 2, 3, 4, 6, 8, 12)
+ATTN_SPLIT_CONFIGS = [(64, 32, 4), (128, 32, 8)]  # block_m, block_n, warps
 BF16 = torch.bfloat16
 DEV = "cuda"
 
@@ -288,7 +289,7 @@ def attn_prefill(gen: torch.Generator, mm_tflops: float) -> list[dict]:
 
 
 def attn_split(gen: torch.Generator, mm_tflops: float) -> list[dict]:
-    """The default prefill tile with its keys split S ways, and the S that flash_split picks."""
+    """Prefill tiles with their keys split S ways, and the S that flash_split picks."""
     rows = []
     inv_freq = rope_inv_freq(R, THETA, DEV)
     n_sm = torch.cuda.get_device_properties(DEV).multi_processor_count
@@ -298,21 +299,25 @@ def attn_split(gen: torch.Generator, mm_tflops: float) -> list[dict]:
         torch.cuda.empty_cache()
         flops = 4 * H * DH * (t * start + t * (t + 1) // 2)
         start_t = torch.tensor([start], device=DEV)
-        auto = flash_split(cdiv(t, 64 // (H // HKV)) * HKV, start + t, n_sm, 32)
+        for bm, bn, warps in ATTN_SPLIT_CONFIGS:
+            kw = {"block_m": bm, "block_n": bn, "num_warps": warps}
+            per_sm = flash_per_sm(bm, bn, DH, warps, 2, d["k_cache"])
+            auto = flash_split(cdiv(t, bm // (H // HKV)) * HKV, start + t, n_sm * per_sm, bn)
 
-        def measure(split: int, d=d, ref=ref, flops=flops, start_t=start_t, auto=auto):
-            def call():
-                return attention_prefill(*attn_args(d), start_t, inv_freq, split=split)
+            def measure(split: int, d=d, ref=ref, flops=flops, start_t=start_t, kw=kw, auto=auto):
+                def call():
+                    return attention_prefill(*attn_args(d), start_t, inv_freq, split=split, **kw)
 
-            err = rel(call(), ref)
-            ms = graph_ms(call)
-            tflops = flops / ms / 1e9
-            return {"ms": ms, "TFLOPs": tflops, "frac_matmul": tflops / mm_tflops,
-                    "rel_err": err, "picked": split == auto}  # fmt: skip
+                err = rel(call(), ref)
+                ms = graph_ms(call)
+                tflops = flops / ms / 1e9
+                return {"ms": ms, "TFLOPs": tflops, "frac_matmul": tflops / mm_tflops,
+                        "rel_err": err, "picked": split == auto}  # fmt: skip
 
-        for split in dict.fromkeys((auto, *ATTN_SPLIT_TRIES)):
-            base = {"op": "attn_split", "T": t, "start": start, "split": split}
-            attempt(rows, base, lambda sp=split, f=measure: f(sp))
+            for split in dict.fromkeys((auto, *ATTN_SPLIT_TRIES)):
+                base = {"op": "attn_split", "T": t, "start": start, "block_m": bm,
+                        "num_warps": warps, "split": split}  # fmt: skip
+                attempt(rows, base, lambda sp=split, f=measure: f(sp))
         del d, ref
         torch.cuda.empty_cache()
     return rows
@@ -440,7 +445,7 @@ SECTIONS = {
     "dn_prefill": ["T", "method", "block_v", "ms", "ms_eager", "ms_30_layers", "rel_err"],
     "attn_prefill": ["T", "start", "block_m", "block_n", "num_warps", "ms", "ms_eager", "TFLOPs",
                      "rel_err"],
-    "attn_split": ["T", "start", "split", "picked", "ms", "TFLOPs", "rel_err"],
+    "attn_split": ["T", "start", "block_m", "split", "picked", "ms", "TFLOPs", "rel_err"],
 }  # fmt: skip
 
 

@@ -33,9 +33,9 @@ LOG2E = 1.4426950408889634
 @launched
 @triton.jit
 def _prep_kernel(
-    qg, k, v, q_norm, k_norm, inv_freq, p_start, q_buf, k_cache, v_cache, T, T_MAX, eps,
-    H: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, R: tl.constexpr, BT: tl.constexpr,
-    BD: tl.constexpr,
+    qg, k, v, q_norm, k_norm, inv_freq, p_start, q_buf, k_cache, v_cache, T, T_MAX, stride_qg,
+    stride_k, stride_v, eps, H: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr,
+    R: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
 ):  # fmt: skip
     i_t, i_g = tl.program_id(0), tl.program_id(1)
     start = tl.load(p_start).to(tl.int32)
@@ -47,7 +47,7 @@ def _prep_kernel(
     if i_g < H:  # a query head
         b_q = rms_rope_rows(
             qg,
-            o_t * (H * 2 * DH) + i_g * 2 * DH,
+            o_t * stride_qg + i_g * 2 * DH,
             m_t,
             q_norm,
             inv_freq,
@@ -65,9 +65,9 @@ def _prep_kernel(
     else:  # a KV head: K normed and rotated, V as is, both into the cache
         i_h = i_g - H
         b_k = rms_rope_rows(
-            k, o_t * (HKV * DH) + i_h * DH, m_t, k_norm, inv_freq, start + o_t, eps, DH, R, BD
+            k, o_t * stride_k + i_h * DH, m_t, k_norm, inv_freq, start + o_t, eps, DH, R, BD
         )
-        b_v = tl.load(v + o_t[:, None] * (HKV * DH) + i_h * DH + o_d[None, :], mask=m_td, other=0.0)
+        b_v = tl.load(v + o_t[:, None] * stride_v + i_h * DH + o_d[None, :], mask=m_td, other=0.0)
         p_row = i_h * T_MAX * DH + (start + o_t)[:, None] * DH + o_d[None, :]
         tl.store(k_cache + p_row, b_k.to(k_cache.dtype.element_ty), mask=m_td)
         tl.store(v_cache + p_row, b_v.to(v_cache.dtype.element_ty), mask=m_td)
@@ -76,9 +76,9 @@ def _prep_kernel(
 @launched
 @triton.jit
 def _flash_kernel(
-    qg, q_buf, k_cache, v_cache, p_start, out, o_part, lse_part, T, T_MAX, sm_scale, n_split,
-    H: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BD: tl.constexpr, IS_SPLIT: tl.constexpr,
+    qg, q_buf, k_cache, v_cache, p_start, out, o_part, lse_part, T, T_MAX, stride_qg, sm_scale,
+    n_split, H: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, BD: tl.constexpr, IS_SPLIT: tl.constexpr,
 ):  # fmt: skip
     i_m, i_kvh, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     G: tl.constexpr = H // HKV
@@ -153,7 +153,7 @@ def _flash_kernel(
     else:
         # padded rows (token >= T) saw only masked keys: keep them finite, not stored
         b_l = tl.where(m_t, b_l, 1.0)
-        p_g = qg + o_t[:, None] * (H * 2 * DH) + head[:, None] * (2 * DH) + DH + o_d[None, :]
+        p_g = qg + o_t[:, None] * stride_qg + head[:, None] * (2 * DH) + DH + o_d[None, :]
         b_gate = tl.load(p_g, mask=m_rd, other=0.0).to(tl.float32)
         b_o = b_acc / b_l[:, None] * sigmoid(b_gate)
         tl.store(
@@ -166,15 +166,15 @@ def _flash_kernel(
 @launched
 @triton.jit
 def _flash_combine_kernel(
-    qg, o_part, lse_part, out, R, n_split, H: tl.constexpr, DH: tl.constexpr, BR: tl.constexpr,
-    BD: tl.constexpr,
+    qg, o_part, lse_part, out, R, stride_qg, n_split, H: tl.constexpr, DH: tl.constexpr,
+    BR: tl.constexpr, BD: tl.constexpr,
 ):  # fmt: skip
     """Rows (token, head) of the split-KV partials merged in split order, then the gate."""
     o_r = tl.program_id(0) * BR + tl.arange(0, BR)
     m_r = o_r < R
     o_d = tl.arange(0, BD)
     m_rd = m_r[:, None] & (o_d < DH)[None, :]
-    p_g = qg + (o_r // H)[:, None] * (H * 2 * DH) + (o_r % H)[:, None] * (2 * DH) + DH
+    p_g = qg + (o_r // H)[:, None] * stride_qg + (o_r % H)[:, None] * (2 * DH) + DH
     b_gate = tl.load(p_g + o_d[None, :], mask=m_rd, other=0.0).to(tl.float32)
     b_m = tl.full([BR], float("-inf"), dtype=tl.float32)
     b_w = tl.zeros([BR], dtype=tl.float32)
@@ -195,10 +195,20 @@ def _flash_combine_kernel(
     tl.store(p_out, b_o.to(out.dtype.element_ty), mask=m_rd)
 
 
-SPLIT_SLOTS_PER_SM = 2  # flash programs resident per SM (BM 64, Dh 256: registers, smem)
+SMEM_PER_SM = 227 * 1024  # usable shared memory of an SM (H100/H200)
 
 
-def flash_split(programs: int, keys: int, n_sm: int, block_n: int) -> int:
+def flash_per_sm(block_m: int, block_n: int, dh: int, warps: int, stages: int, cache) -> int:
+    """Flash programs resident on one SM: shared memory holds the Q tile and ``stages``
+    K and V tiles; the kernel takes nearly all 255 registers a thread, so 8 warps an SM
+    by registers. At Dh 256 (sm_90, compiled): 64 x 32 at 4 warps 96 KB (2 an SM), 128 x 32
+    at 8 warps 128 KB (1 an SM)."""
+    e = cache.element_size()
+    smem = block_m * dh * e + stages * 2 * block_n * dh * e
+    return max(1, min(SMEM_PER_SM // smem, 8 // warps))
+
+
+def flash_split(programs: int, keys: int, slots: int, block_n: int) -> int:
     """Key splits for a chunk whose programs leave the GPU's last wave mostly idle.
 
     Every program of a chunk walks the whole history, so at 1-2K tokens after a long one
@@ -208,7 +218,6 @@ def flash_split(programs: int, keys: int, n_sm: int, block_n: int) -> int:
     cost(S) = ceil(P S / slots) / S + S * 200 / keys, the second term from the partials'
     bytes against the key tiles' FLOPs at the measured rates; each share keeps at least 8
     key tiles."""
-    slots = SPLIT_SLOTS_PER_SM * n_sm
     best, best_cost = 1, float(cdiv(programs, slots))
     for s in range(2, 17):
         if keys < 8 * block_n * s:
@@ -262,17 +271,18 @@ def attention_prefill(
     )
     hkv, t_max, dh = k_cache.shape
     _check(
-        qg.dim() == 2 and qg.shape[1] % (2 * dh) == 0 and qg.is_contiguous(),
-        f"qg must be contiguous (T, H*2*{dh}), got {tuple(qg.shape)}",
+        qg.dim() == 2 and qg.shape[1] % (2 * dh) == 0 and qg.stride(1) == 1,
+        f"qg must be (T, H*2*{dh}) with contiguous rows, got {tuple(qg.shape)}",
     )
     t, h = qg.shape[0], qg.shape[1] // (2 * dh)
     _check(t > 0, "empty chunk (T = 0)")
     _check(h % hkv == 0, f"{h} query heads do not group over {hkv} KV heads")
     g = h // hkv
+    # qg, k and v may be column slices of one fused projection output (rows contiguous)
     for name, x in (("k", k), ("v", v)):
         _check(
-            x.shape == (t, hkv * dh) and x.is_contiguous(),
-            f"{name} must be contiguous ({t}, {hkv * dh}), got {tuple(x.shape)}",
+            x.shape == (t, hkv * dh) and x.stride(1) == 1,
+            f"{name} must be ({t}, {hkv * dh}) with contiguous rows, got {tuple(x.shape)}",
         )
     for name, x in (("q_norm", q_norm), ("k_norm", k_norm)):
         _check(x.shape == (dh,), f"{name} must be ({dh},), got {tuple(x.shape)}")
@@ -288,7 +298,8 @@ def attention_prefill(
         )
         if split is None and qg.is_cuda:
             n_sm = torch.cuda.get_device_properties(qg.device).multi_processor_count
-            split = flash_split(programs, start + t, n_sm, block_n)
+            per_sm = flash_per_sm(block_m, block_n, dh, num_warps, num_stages, k_cache)
+            split = flash_split(programs, start + t, n_sm * per_sm, block_n)
         start = to_device([start], torch.int32, qg.device)
     split = split or 1
     _check(split >= 1, f"split must be >= 1, got {split}")
@@ -316,6 +327,9 @@ def attention_prefill(
         v_cache,
         t,
         t_max,
+        qg.stride(0),
+        k.stride(0),
+        v.stride(0),
         eps,
         H=h,
         HKV=hkv,
@@ -332,13 +346,24 @@ def attention_prefill(
     else:
         o_part = lse_part = out
     _flash_kernel[(cdiv(t, block_m // g), hkv, split)](
-        qg, q_buf, k_cache, v_cache, start, out, o_part, lse_part, t, t_max, dh**-0.5 * LOG2E,
-        split, H=h, HKV=hkv, DH=dh, BM=block_m, BN=block_n, BD=bd, IS_SPLIT=split > 1,
-        num_warps=num_warps, num_stages=num_stages,
+        qg, q_buf, k_cache, v_cache, start, out, o_part, lse_part, t, t_max, qg.stride(0),
+        dh**-0.5 * LOG2E, split, H=h, HKV=hkv, DH=dh, BM=block_m, BN=block_n, BD=bd,
+        IS_SPLIT=split > 1, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split > 1:
         br = 16
         _flash_combine_kernel[(cdiv(t * h, br),)](
-            qg, o_part, lse_part, out, t * h, split, H=h, DH=dh, BR=br, BD=bd, num_warps=4
+            qg,
+            o_part,
+            lse_part,
+            out,
+            t * h,
+            qg.stride(0),
+            split,
+            H=h,
+            DH=dh,
+            BR=br,
+            BD=bd,
+            num_warps=4,
         )
     return out

@@ -42,7 +42,8 @@ Tensor = torch.Tensor
 @launched
 @triton.jit
 def _prep_kernel(
-    x, conv_w, conv_state, b, a, A_log, dt_bias, y, g, beta, T, q_scale, HK: tl.constexpr,
+    x, conv_w, conv_state, b, a, A_log, dt_bias, y, g, beta, T, stride_x, stride_b, stride_a,
+    q_scale, HK: tl.constexpr,
     HV: tl.constexpr, K: tl.constexpr, VD: tl.constexpr, W: tl.constexpr, BT: tl.constexpr,
     BC: tl.constexpr, WP: tl.constexpr,
 ):  # fmt: skip
@@ -63,7 +64,7 @@ def _prep_kernel(
         r = o_t - (W - 1) + j  # input row of tap j; rows < 0 come from the carried state
         m_x = (m_t & (r >= 0))[:, None] & m_c[None, :]
         m_s = (m_t & (r < 0))[:, None] & m_c[None, :]
-        b_x = tl.load(x + r[:, None] * C + ch[None, :], mask=m_x, other=0.0).to(tl.float32)
+        b_x = tl.load(x + r[:, None] * stride_x + ch[None, :], mask=m_x, other=0.0).to(tl.float32)
         b_x += tl.load(conv_state + (r + W - 1)[:, None] * C + ch[None, :], mask=m_s, other=0.0).to(
             tl.float32
         )
@@ -81,8 +82,8 @@ def _prep_kernel(
     if i_g >= 2 * HK:
         i_h = i_g - 2 * HK
         b_g, b_beta = deltanet_gates(
-            tl.load(b + o_t * HV + i_h, mask=m_t, other=0.0),
-            tl.load(a + o_t * HV + i_h, mask=m_t, other=0.0),
+            tl.load(b + o_t * stride_b + i_h, mask=m_t, other=0.0),
+            tl.load(a + o_t * stride_a + i_h, mask=m_t, other=0.0),
             tl.load(A_log + i_h),
             tl.load(dt_bias + i_h),
         )
@@ -97,9 +98,8 @@ def _prep_kernel(
         m_w = o_w < W - 1
         m_nx = (m_w & (src >= W - 1))[:, None] & m_c[None, :]
         m_ns = (m_w & (src < W - 1))[:, None] & m_c[None, :]
-        b_n = tl.load(x + (src - (W - 1))[:, None] * C + ch[None, :], mask=m_nx, other=0.0).to(
-            tl.float32
-        )
+        p_n = x + (src - (W - 1))[:, None] * stride_x + ch[None, :]
+        b_n = tl.load(p_n, mask=m_nx, other=0.0).to(tl.float32)
         b_n += tl.load(conv_state + src[:, None] * C + ch[None, :], mask=m_ns, other=0.0).to(
             tl.float32
         )
@@ -160,8 +160,8 @@ def deltanet_prefill(
     )
     hv, kd, vd = state.shape
     _check(
-        mixed_qkv.dim() == 2 and mixed_qkv.is_contiguous(),
-        f"mixed_qkv must be a contiguous (T, C) tensor, got {tuple(mixed_qkv.shape)}",
+        mixed_qkv.dim() == 2 and mixed_qkv.stride(1) == 1,
+        f"mixed_qkv must be a (T, C) tensor with contiguous rows, got {tuple(mixed_qkv.shape)}",
     )
     t, c = mixed_qkv.shape
     hk = (c - hv * vd) // (2 * kd)
@@ -179,10 +179,14 @@ def deltanet_prefill(
         conv_weight.shape == (c, width) and conv_weight.is_contiguous(),
         f"conv_weight must be contiguous ({c}, {width}), got {tuple(conv_weight.shape)}",
     )
+    # z, b and a may be column slices of one wider projection output (rows contiguous)
+    for name, x, shape in (("z", z, (t, hv * vd)), ("b", b, (t, hv)), ("a", a, (t, hv))):
+        _check(
+            x.shape == shape and x.stride(1) == 1,
+            f"{name} must be {shape} with contiguous rows, got {tuple(x.shape)} "
+            f"strides {x.stride()}",
+        )
     for name, x, shape in (
-        ("z", z, (t, hv * vd)),
-        ("b", b, (t, hv)),
-        ("a", a, (t, hv)),
         ("A_log", A_log, (hv,)),
         ("dt_bias", dt_bias, (hv,)),
         ("norm_weight", norm_weight, (vd,)),
@@ -219,7 +223,8 @@ def deltanet_prefill(
     g, beta = (torch.empty(t, hv, dtype=torch.float32, device=dev) for _ in range(2))
     wp = pow2(max(width - 1, 1))
     _prep_kernel[(cdiv(t, bt_prep), 2 * hk + hv)](
-        mixed_qkv, conv_weight, conv_state, b, a, A_log, dt_bias, y, g, beta, t, kd**-0.5,
+        mixed_qkv, conv_weight, conv_state, b, a, A_log, dt_bias, y, g, beta, t,
+        mixed_qkv.stride(0), b.stride(0), a.stride(0), kd**-0.5,
         HK=hk, HV=hv, K=kd, VD=vd, W=width, BT=bt_prep, BC=max(bk, bvd), WP=wp, num_warps=4,
     )  # fmt: skip
     dims = {"HK": hk, "HV": hv, "K": kd, "VD": vd, "BK": bk}

@@ -20,7 +20,7 @@ from lily.ops.norm_rope import gated_rmsnorm_rows
 @launched
 @triton.jit
 def _scan_kernel(
-    y, g, beta, state, z, norm_w, o_buf, T, eps, HK: tl.constexpr, HV: tl.constexpr,
+    y, g, beta, state, z, norm_w, o_buf, T, stride_z, eps, HK: tl.constexpr, HV: tl.constexpr,
     K: tl.constexpr, VD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FUSE_NORM: tl.constexpr,
 ):  # fmt: skip
     i_v, i_h = tl.program_id(0), tl.program_id(1)
@@ -51,7 +51,7 @@ def _scan_kernel(
         b_o = tl.sum(b_S * b_q[:, None], 0)
         off = t * (HV * VD) + i_h * VD + o_v
         if FUSE_NORM:  # gated RMSNorm: rmsnorm(o) * w * silu(z)
-            b_z = tl.load(z + off, mask=m_v, other=0.0).to(tl.float32)
+            b_z = tl.load(z + t * stride_z + i_h * VD + o_v, mask=m_v, other=0.0).to(tl.float32)
             b_r = tl.rsqrt(tl.sum(b_o * b_o, 0) / VD + eps)
             b_o = b_o * b_r * b_nw * b_z / (1.0 + tl.exp(-b_z))
         tl.store(o_buf + off, b_o.to(o_buf.dtype.element_ty), mask=m_v)
@@ -139,7 +139,7 @@ def _chunk_wy_kernel(
 @launched
 @triton.jit
 def _chunk_scan_kernel(
-    y, g, w, u, state, z, norm_w, o_buf, T, eps, HK: tl.constexpr, HV: tl.constexpr,
+    y, g, w, u, state, z, norm_w, o_buf, T, stride_z, eps, HK: tl.constexpr, HV: tl.constexpr,
     K: tl.constexpr, VD: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     FUSE_NORM: tl.constexpr,
 ):  # fmt: skip
@@ -185,7 +185,8 @@ def _chunk_scan_kernel(
         m_tv = m_t[:, None] & m_v[None, :]
         off = o_t[:, None] * (HV * VD) + i_h * VD + o_v[None, :]
         if FUSE_NORM:  # gated RMSNorm, inline (see the NOTE in _scan_kernel)
-            b_z = tl.load(z + off, mask=m_tv, other=0.0).to(tl.float32)
+            p_z = z + o_t[:, None] * stride_z + i_h * VD + o_v[None, :]
+            b_z = tl.load(p_z, mask=m_tv, other=0.0).to(tl.float32)
             b_r = tl.rsqrt(tl.sum(b_o * b_o, 1) / VD + eps)
             b_o = b_o * b_r[:, None] * b_nw[None, :] * b_z / (1.0 + tl.exp(-b_z))
         tl.store(o_buf + off, b_o.to(o_buf.dtype.element_ty), mask=m_tv)
@@ -237,8 +238,8 @@ def _chunk_state_kernel(
 @launched
 @triton.jit
 def _chunk_out_kernel(
-    y, g, h, vn, z, norm_w, out, T, eps, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-    VD: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BVD: tl.constexpr,
+    y, g, h, vn, z, norm_w, out, T, stride_z, eps, HK: tl.constexpr, HV: tl.constexpr,
+    K: tl.constexpr, VD: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BVD: tl.constexpr,
 ):  # fmt: skip
     """The outputs of one chunk and head, in parallel over chunks ("chunk_par"):
     o = diag(e^gc) q h + tril(q k^T * decay) v', then the gated RMSNorm (whole heads)."""
@@ -261,7 +262,8 @@ def _chunk_out_kernel(
     b_h = tl.load(p_h, mask=m_k[:, None] & m_v[None, :], other=0.0)
     p_tv = (o_t[:, None] * HV + i_h) * VD + o_v[None, :]
     b_vn = tl.load(vn + p_tv, mask=m_tv, other=0.0)
-    b_z = tl.load(z + p_tv, mask=m_tv, other=0.0).to(tl.float32)
+    p_z = z + o_t[:, None] * stride_z + i_h * VD + o_v[None, :]
+    b_z = tl.load(p_z, mask=m_tv, other=0.0).to(tl.float32)
     b_nw = tl.load(norm_w + o_v, mask=m_v, other=0.0).to(tl.float32)
     causal = o_i[:, None] >= o_i[None, :]
     b_qk = tl.dot(b_q, tl.trans(b_k))
@@ -280,7 +282,7 @@ def recurrence(y, g, beta, z, norm_weight, state, o_buf, w, u, eps, method, chun
     bk, bvd, kd = dims["BK"], pow2(dims["VD"]), dims["K"]
     if method == "scan":
         _scan_kernel[(nv, hv)](
-            y, g, beta, state, z, norm_weight, o_buf, t, eps, BV=bv, FUSE_NORM=fuse,
+            y, g, beta, state, z, norm_weight, o_buf, t, z.stride(0), eps, BV=bv, FUSE_NORM=fuse,
             num_warps=num_warps or 4, **dims,
         )  # fmt: skip
         return
@@ -291,7 +293,7 @@ def recurrence(y, g, beta, z, norm_weight, state, o_buf, w, u, eps, method, chun
     )  # fmt: skip
     if method == "chunk":
         _chunk_scan_kernel[(nv, hv)](
-            y, g, w, u, state, z, norm_weight, o_buf, t, eps, BT=chunk_size, BV=bv,
+            y, g, w, u, state, z, norm_weight, o_buf, t, z.stride(0), eps, BT=chunk_size, BV=bv,
             FUSE_NORM=fuse, num_warps=num_warps or (8 if bv * bk >= 128 * 128 else 4),
             num_stages=2, **dims,  # 2 stages prefetch the next chunk; 3 only cost memory
         )  # fmt: skip
@@ -304,5 +306,6 @@ def recurrence(y, g, beta, z, norm_weight, state, o_buf, w, u, eps, method, chun
         num_stages=2, **dims,
     )  # fmt: skip
     _chunk_out_kernel[(nt, hv)](
-        y, g, h, vn, z, norm_weight, o_buf, t, eps, BT=chunk_size, BVD=bvd, num_warps=8, **dims
+        y, g, h, vn, z, norm_weight, o_buf, t, z.stride(0), eps, BT=chunk_size, BVD=bvd,
+        num_warps=8, **dims,
     )  # fmt: skip

@@ -126,15 +126,17 @@ def gated_rmsnorm_rows(b_o, b_z, b_w, eps, VD: tl.constexpr):
 @launched
 @triton.jit
 def _gated_rmsnorm_kernel(
-    o, z, w, out, n_rows, eps, VD: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
+    o, z, w, out, n_rows, hv, stride_z, eps, VD: tl.constexpr, BR: tl.constexpr,
+    BV: tl.constexpr,
 ):  # fmt: skip
     i_r = tl.program_id(0)
-    o_r = i_r * BR + tl.arange(0, BR)
+    o_r = i_r * BR + tl.arange(0, BR)  # row = token * hv + head
     o_v = tl.arange(0, BV)
     m = (o_r < n_rows)[:, None] & (o_v < VD)[None, :]
     off = o_r[:, None] * VD + o_v[None, :]
     b_o = tl.load(o + off, mask=m, other=0.0).to(tl.float32)
-    b_z = tl.load(z + off, mask=m, other=0.0).to(tl.float32)
+    p_z = z + (o_r // hv * stride_z + o_r % hv * VD)[:, None] + o_v[None, :]
+    b_z = tl.load(p_z, mask=m, other=0.0).to(tl.float32)
     b_w = tl.load(w + o_v, mask=o_v < VD, other=0.0).to(tl.float32)
     b_y = gated_rmsnorm_rows(b_o, b_z, b_w, eps, VD)
     tl.store(out + off, b_y.to(out.dtype.element_ty), mask=m)
@@ -143,20 +145,21 @@ def _gated_rmsnorm_kernel(
 def gated_rmsnorm(
     o: Tensor, z: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype
 ) -> Tensor:
-    """``rmsnorm(o) * weight * silu(z)`` per head: o (T, Hv, Vd), z (T, Hv*Vd) -> (T, Hv*Vd)."""
+    """``rmsnorm(o) * weight * silu(z)`` per head: o (T, Hv, Vd), z (T, Hv*Vd) -> (T, Hv*Vd).
+    z may be a column slice of a wider tensor (contiguous rows)."""
     t, hv, vd = o.shape
     if z.shape != (t, hv * vd) or weight.shape != (vd,):
         raise ValueError(
             f"gated_rmsnorm: z must be ({t}, {hv * vd}) and weight ({vd},), "
             f"got {tuple(z.shape)} and {tuple(weight.shape)}"
         )
-    if not (o.is_contiguous() and z.is_contiguous() and weight.is_contiguous()):
-        raise ValueError("gated_rmsnorm: o, z and weight must be contiguous")
+    if not (o.is_contiguous() and z.stride(1) == 1 and weight.is_contiguous()):
+        raise ValueError("gated_rmsnorm: o and weight must be contiguous, z's rows contiguous")
     out = torch.empty(t, hv * vd, dtype=out_dtype, device=o.device)
     n_rows = t * hv
     bv = pow2(vd)
     br = max(1, min(16, 4096 // bv))
     _gated_rmsnorm_kernel[(cdiv(n_rows, br),)](
-        o, z, weight, out, n_rows, eps, VD=vd, BR=br, BV=bv, num_warps=4
+        o, z, weight, out, n_rows, hv, z.stride(0), eps, VD=vd, BR=br, BV=bv, num_warps=4
     )
     return out

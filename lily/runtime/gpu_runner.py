@@ -158,6 +158,16 @@ class GpuRunner(Runner):
         h = rmsnorm(x, norm_w, eps)
         return [linear(h, self.p[f"layers.{i}.{sub}{n}"]) for n in names]
 
+    def _project_chunk(self, i: int, h: torch.Tensor, kind: str) -> list[torch.Tensor]:
+        """The layer's input projections of T normed rows: one GEMM over the fused weight,
+        its output split into column views (the mixer kernels take row strides). The small
+        ones alone (b and a: 32 rows, k and v: 512) left most SMs idle for ~25 us each."""
+        sub, names = FUSED[kind]
+        if i in self.fused:
+            w, sizes = self.fused[i]
+            return list(linear(h, w).split(sizes, dim=-1))
+        return [linear(h, self.p[f"layers.{i}.{sub}{n}"]) for n in names]
+
     def _decode_forward(self, ids: torch.Tensor, state, pos: torch.Tensor, max_len: int
                         ) -> torch.Tensor:  # fmt: skip
         """One token: fused norms and projections, mixer kernel, fused MoE (graph-safe)."""
@@ -209,12 +219,10 @@ class GpuRunner(Runner):
         for i, kind in enumerate(cfg.layer_types):
             pre = f"layers.{i}."
             h = rmsnorm(x, p[pre + "input_norm"], eps)
+            parts = self._project_chunk(i, h, kind)
             if kind == "linear_attention":
                 d, st = pre + "dn.", state.deltanet[i]
-                qkv = linear(h, p[d + "in_proj_qkv"])
-                z = linear(h, p[d + "in_proj_z"])
-                b = linear(h, p[d + "in_proj_b"])
-                a = linear(h, p[d + "in_proj_a"])
+                qkv, z, b, a = parts
                 args = (p[d + "conv1d"], st.conv, p[d + "A_log"], p[d + "dt_bias"],
                         p[d + "norm"], st.recurrent, eps)  # fmt: skip
                 if t_len == 1:
@@ -229,9 +237,7 @@ class GpuRunner(Runner):
                 out_w = p[d + "out_proj"]
             else:
                 at, kv = pre + "attn.", state.kv[i]
-                qg = linear(h, p[at + "q_proj"])
-                k = linear(h, p[at + "k_proj"])
-                v = linear(h, p[at + "v_proj"])
+                qg, k, v = parts
                 norms = (p[at + "q_norm"], p[at + "k_norm"], kv.k, kv.v)
                 if t_len == 1:
                     o = attention_decode(qg[0], k[0], v[0], *norms, start, self.inv_freq, eps,

@@ -228,22 +228,51 @@ def test_prefill_split_kv_matches_reference(device, split):
     assert rel(out, plain) < DOT_F32_TOL
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("split", [1, 3])
+def test_prefill_of_one_wide_projection_output(device, split):
+    """qg, k and v as column slices of one fused projection output (q|k|v with NaN columns
+    between): the prep, flash and combine kernels use the row stride; results equal those
+    of contiguous copies, caches included."""
+    d = make_inputs(9, 96, h=16, dtype=torch.float32, device=device, seed=12)
+    fill_cache(d, 70)
+    caches = (d["k_cache"].clone(), d["v_cache"].clone())
+    ref = prefill(d, 70, slice(0, 9), block_m=16, block_n=16, split=split)
+    ref_caches = (d["k_cache"].clone(), d["v_cache"].clone())
+    d["k_cache"].copy_(caches[0])
+    d["v_cache"].copy_(caches[1])
+    gap = torch.full((9, 5), float("nan"), device=device)
+    wide = torch.cat([d["qg"], gap, d["k"], gap, d["v"]], dim=1)
+    nq, nk = d["qg"].shape[1], d["k"].shape[1]
+    views = {"qg": wide[:, :nq], "k": wide[:, nq + 5 : nq + 5 + nk], "v": wide[:, nq + 10 + nk :]}
+    assert all(not x.is_contiguous() for x in views.values())
+    got = prefill({**d, **views}, 70, slice(0, 9), block_m=16, block_n=16, split=split)
+    assert torch.equal(got, ref)
+    for c, r in zip((d["k_cache"], d["v_cache"]), ref_caches, strict=True):
+        assert torch.equal(c[:, :79], r[:, :79]) and c[:, 79:].isnan().all()
+
+
 def test_flash_split_fills_the_last_wave():
     """The split rule: 282 programs on 132 SMs (two a SM) after 16K keys leave the second
     wave 7% full, so it splits; a chunk of many waves, or a short history, does not."""
     fs = OPS["attn_prefill"].flash_split
-    s = fs(282, 17208, 132, 32)
+    s = fs(282, 17208, 264, 32)
     assert 4 <= s <= 12
-    assert fs(1024, 4096, 132, 32) == 1  # 4096 tokens from position 0: 3.9 waves
-    assert fs(282, 1128, 132, 32) <= 4  # a short history: the partials would cost more
-    assert fs(10, 200, 132, 32) == 1  # under 8 key tiles a share
+    assert fs(1024, 4096, 264, 32) == 1  # 4096 tokens from position 0: 3.9 waves
+    assert fs(282, 1128, 264, 32) <= 4  # a short history: the partials would cost more
+    assert fs(10, 200, 264, 32) == 1  # under 8 key tiles a share
+    # residency from the tile's shared memory (the compiled kernels' figures, sm_90)
+    per_sm = OPS["attn_prefill"].flash_per_sm
+    bf16 = torch.empty(0, dtype=torch.bfloat16)
+    assert per_sm(64, 32, 256, 4, 2, bf16) == 2
+    assert per_sm(128, 32, 256, 8, 2, bf16) == 1
 
 
 def test_prefill_rejects_bad_input():
     d = make_inputs(4, 8, dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match=r"positions \[6, 10\) do not fit a cache of 8"):
         prefill(d, 6, slice(0, 4))
-    with pytest.raises(ValueError, match="v must be contiguous"):
+    with pytest.raises(ValueError, match=r"v must be \(4, 128\) with contiguous rows"):
         prefill({**d, "v": d["v"][:, :-1]}, 0, slice(0, 4))
     with pytest.raises(ValueError, match="block_m=16 must be a multiple of the group size 3"):
         e = make_inputs(4, 8, h=6, dtype=torch.float32, device="cpu")

@@ -257,6 +257,36 @@ def test_prefill_matches_reference(device, method, chunk_size, block_v):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "method,block_v", [("scan", 64), ("chunk", 16), ("chunk", 64), ("chunk_par", 16)]
+)
+def test_prefill_of_one_wide_projection_output(device, method, block_v):
+    """The runner hands the kernels column slices of one fused projection output
+    (qkv | z | b | a in one (T, C + Hv*Vd + 2*Hv) tensor): every consumer of x, z, b and a
+    must use the row stride, fused-norm and separate-norm paths alike. The result equals
+    the same call on contiguous copies; NaN columns between the parts catch a wrong stride."""
+    d = make_inputs(37, device=device, seed=9)
+    parts = [d[k] for k in ("mixed_qkv", "z", "b", "a")]
+    gap = torch.full((37, 3), float("nan"), dtype=parts[0].dtype, device=parts[0].device)
+    wide = torch.cat([p for x in parts for p in (x, gap)], dim=1)
+    views, c0 = [], 0
+    for x in parts:
+        views.append(wide[:, c0 : c0 + x.shape[1]])
+        c0 += x.shape[1] + 3
+    assert all(not v.is_contiguous() for v in views)
+    st_ref, st = d["state"].clone(), d["state"].clone()
+    cs_ref, cs = d["conv_state"].clone(), d["conv_state"].clone()
+    args = (d["conv_weight"],)
+    tail = (d["A_log"], d["dt_bias"], d["norm_weight"])
+    fn = OPS["dn_prefill"].deltanet_prefill
+    kw = {"method": method, "chunk_size": 16, "block_v": block_v}
+    ref = fn(*parts, *args, cs_ref, *tail, st_ref, 1e-6, **kw)
+    got = fn(*views, *args, cs, *tail, st, 1e-6, **kw)
+    assert torch.equal(got, ref)
+    assert torch.equal(st, st_ref) and torch.equal(cs, cs_ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_chunked_form_equals_token_scan(device):
     """Same function, two algorithms: in fp32 they agree to rounding (3 chunks of 16)."""
     d = make_inputs(37, dtype=torch.float32, device=device, seed=5)
@@ -299,8 +329,10 @@ def test_prefill_rejects_bad_input():
     d = make_inputs(3, dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match="method must be"):
         run_prefill(d, "fast")
-    with pytest.raises(ValueError, match="z must be contiguous"):
+    with pytest.raises(ValueError, match=r"z must be \(3, 192\) with contiguous rows"):
         run_prefill({**d, "z": d["z"][:2]}, "scan")
+    with pytest.raises(ValueError, match="b must be .* with contiguous rows"):
+        run_prefill({**d, "b": d["b"].t().contiguous().t()}, "scan")
     with pytest.raises(ValueError, match="chunk_size must be"):
         run_prefill(d, "chunk", chunk_size=48)
 
