@@ -37,7 +37,12 @@ from bench.gpu_linear_kernels import (
 from lily.bench.measure import attempt
 from lily.model.norm import rms_norm
 from lily.ops.moe_decode import MoeDecodeConfig, moe_decode
-from lily.ops.moe_prefill import MoePrefillConfig, moe_prefill, moe_prefill_config
+from lily.ops.moe_prefill import (
+    MoePrefillConfig,
+    moe_prefill,
+    moe_prefill_config,
+    router_gemm_config,
+)
 from lily.ops.qgemm import GemmConfig, gemm_config, qgemm
 from lily.ops.qgemv import GemvConfig, gemv_config, qgemv
 from lily.ops.ref_linear import ref_moe, ref_qlinear
@@ -125,6 +130,33 @@ def dense_rows(ceil, gen, dense_t=DENSE_T) -> list[dict]:
     return rows
 
 
+ROUTER_CFGS = [G(16, 64, 64, 4, 3), G(32, 64, 64, 4, 3), G(16, 64, 128, 4, 3),
+               G(32, 64, 128, 4, 3), G(16, 128, 64, 8, 3)]  # fmt: skip
+
+
+def router_rows(ceil, w, gen, ts) -> list[dict]:
+    """The router GEMM (256 x 2048, 8 bits, split-bf16 weight) at prefill token counts: the
+    table's tile against smaller token tiles (more programs for a latency-bound GEMM)."""
+    rows: list[dict] = []
+    for t in ts:
+        x = torch.randn(t, D, generator=gen, device=DEV).to(BF16)
+        ref = ref_qlinear(x[:32].float(), w["router"]).float()
+        flop = 2 * 2 * t * 256 * D
+
+        def point(cfg, x=x, ref=ref, flop=flop):
+            fn = partial(qgemm, x, w["router"], out_dtype=torch.float32, precise=True, config=cfg)
+            err = rel(fn()[:32], ref)
+            us = bench_ms(fn) * 1e3
+            return {"rel_err": err, "us": us, "TFLOPs": flop / us / 1e6}
+
+        table = router_gemm_config(t, 64)
+        attempt(rows, {"op": "router", "T": t, "config": "table " + cfg_str(table)},
+                partial(point, table))  # fmt: skip
+        for cfg in ROUTER_CFGS:
+            attempt(rows, {"op": "router", "T": t, "config": cfg_str(cfg)}, partial(point, cfg))
+    return rows
+
+
 def gemv_rows(ceil, gen) -> list[dict]:
     rows: list[dict] = []
     nw = norm_weight(gen)
@@ -195,6 +227,7 @@ def main() -> None:
     w = moe_weights(gen)
     parts = {"gemv": lambda: gemv_rows(ceil, gen), "moe_decode": lambda: moe_decode_rows(ceil, w, gen),  # noqa: E501
              "moe": lambda: moe_rows(ceil, w, gen, moe_t),
+             "router": lambda: router_rows(ceil, w, gen, moe_t),
              "dense": lambda: dense_rows(ceil, gen, dense_t)}  # fmt: skip  # noqa: E501
     for name in args.only.split(","):
         res[name] = parts[name]()
@@ -206,7 +239,7 @@ def main() -> None:
                 json.dump(res, f, indent=1)
     print("BEST", flush=True)
     for name, keys in (("gemv", ("shape",)), ("moe_decode", ("op",)), ("moe", ("op", "T")),
-                       ("dense", ("shape", "T"))):  # fmt: skip
+                       ("dense", ("shape", "T")), ("router", ("op", "T"))):  # fmt: skip
         for r in best(res.get(name, []), keys):
             print(name, {k: r.get(k) for k in ("shape", "op", "T", "config", "us", "of_copy",
                                                "TFLOPs", "rel_err")})  # fmt: skip

@@ -185,7 +185,13 @@ def gemm_config(t: int, n: int, k: int, group_size: int) -> GemmConfig:
     if bm >= 128:
         # Fill the 132 SMs: at T = 256 the 2048 x 4096 o_proj gets 32 programs from 128 x 128
         # tiles and 128 from 64 x 64 (73 against 40 us, bench/results/tile_sweep_h200_run1.json).
-        if cdiv(t, 128) * cdiv(n, 128) >= 132:
+        tiles = cdiv(t, 128) * cdiv(n, 128)
+        if 132 <= tiles < 176:
+            # One wave and a second under a third full (o_proj at T = 1,128: 144 tiles):
+            # 128 x 64 at 4 warps took 79 us against 92 (tile_sweep_h200_run2_t1128.json;
+            # at 208 tiles, T = 1,664, the 128 x 128 tile still won: 98 against 121).
+            return GemmConfig(128, 64, bk, num_warps=4, num_stages=3)
+        if tiles >= 132:
             # NOTE: two stages, not three: with 8 warps and 3 or 4 stages this tile's
             # compiled pipeline (Triton 3.6, sm_90) returned garbage (up to 3e38, at times
             # inf) in about 1 run of 300 at T = 4096, N = 8192, K = 2048, and 0 of 3,000
