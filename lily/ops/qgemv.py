@@ -17,10 +17,6 @@ Grid: (row blocks, SPLIT_K). With SPLIT_K > 1 every program writes an fp32 parti
 last program of a row block (an atomic ticket) adds them in a fixed order, so no extra launch
 and deterministic results.
 
-One row on a big weight (8 MB and up, T = 1): a persistent kernel instead, SMs x 3 programs
-walking row blocks, each loading the next block's words while it computes the current one
-(register double-buffering; ``GemvConfig.programs_per_sm``), x' prepared once a program.
-
 Optional RMSNorm prologue (``norm_weight``): the GEMV consumes ``rmsnorm(x) * w_norm``. x is
 a few KB, so every program computes the row statistics itself (fp32) instead of a separate
 norm launch; it issues its weight loads first so the statistics hide under their latency.
@@ -129,22 +125,15 @@ def dot_words(b_w, b_xp, mask_lo, BITS: tl.constexpr):
 
 
 @triton.jit
-def tile_dot(b_w, b_s, b_b, b_xp, b_xs, b_xps, mask_lo, BITS: tl.constexpr,
-             BLOCK_G: tl.constexpr):  # fmt: skip
-    """fp32 (BN,) from words (BN, BW), fp32 scales and biases (BN, BG) and x_prep's output."""
-    BW: tl.constexpr = b_w.shape[1]
-    BN: tl.constexpr = b_w.shape[0]
-    b_d = dot_words(b_w, b_xp, mask_lo, BITS)
-    b_d = tl.sum(tl.reshape(b_d, (BN, BLOCK_G, BW // BLOCK_G)), axis=2)
-    return tl.sum(b_s * (b_d - b_xps[None, :]) + b_b * b_xs[None, :], axis=1)
-
-
-@triton.jit
 def gemv_tile(b_w, b_s, b_b, b_x, mask_lo, BITS: tl.constexpr, BLOCK_G: tl.constexpr):
     """fp32 (BN,) = x slice @ w[rows, slice].T for words (BN, BW), fp32 scales and biases
     (BN, BG) and the x slice (BW, PER) fp32."""
+    BW: tl.constexpr = b_w.shape[1]
+    BN: tl.constexpr = b_w.shape[0]
     b_xp, b_xs, b_xps = x_prep(b_x, BITS, BLOCK_G)
-    return tile_dot(b_w, b_s, b_b, b_xp, b_xs, b_xps, mask_lo, BITS, BLOCK_G)
+    b_d = dot_words(b_w, b_xp, mask_lo, BITS)
+    b_d = tl.sum(tl.reshape(b_d, (BN, BLOCK_G, BW // BLOCK_G)), axis=2)
+    return tl.sum(b_s * (b_d - b_xps[None, :]) + b_b * b_xs[None, :], axis=1)
 
 
 @triton.jit
@@ -312,66 +301,15 @@ def _qgemv_kernel(
         tl.store(p_o, cast_to(acc, p_out.dtype.element_ty, ON_CPU), mask=m_tn)
 
 
-# NOTE: stride_sn unspecialized: known to be a multiple of 16, the scale and bias loads are
-# vectorized into a layout whose conversion took 255 registers (2 programs an SM, not 3).
-@launched
-@triton.jit(do_not_specialize=["stride_sn"])
-def _qgemv_stream_kernel(
-    p_x, p_qw, p_s, p_b, p_nw, p_res, p_out, N, K, stride_qn, stride_sn, mask_lo, eps,
-    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-    ITERS: tl.constexpr, HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, ON_CPU: tl.constexpr,
-    PDL: tl.constexpr,
-):  # fmt: skip
-    # Persistent, one row of x: program p takes row blocks p, p + P, ... (ITERS of them,
-    # the last masked where it runs past N), each a (BLOCK_N, whole K) tile. The next
-    # block's words, scales and biases are loaded before the current block is computed
-    # (loop-carried registers), so every program always has a tile in flight while it
-    # computes, and x' (norm, x-side sums) is prepared once per program, not once per block.
-    n_p = tl.num_programs(0)
-    g_end = K // GROUP
-    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    b_w, b_s, b_b = load_words(p_qw, p_s, p_b, stride_qn, stride_sn, o_n, o_n < N, 0, g_end,
-                               BITS, GROUP, BLOCK_G)  # fmt: skip
-    pdl_wait(PDL)  # only the weight tile above is read before the previous kernel ends
-    b_x, b_nw = load_x(p_x, p_nw, 0, g_end, K > 0, HAS_NORM, BITS, GROUP, BLOCK_G)
-    rstd = 1.0
-    if HAS_NORM:
-        b_xf = b_x.to(tl.float32)
-        rstd = 1.0 / tl.sqrt_rn(tl.sum(tl.sum(b_xf * b_xf, axis=1), axis=0) / K + eps)
-    b_xp, b_xs, b_xps = x_prep(norm_x(b_x, b_nw, rstd, HAS_NORM, ON_CPU), BITS, BLOCK_G)
-    for _ in range(ITERS):
-        o_nx = o_n + n_p * BLOCK_N
-        # NOTE: issued before this block's FMAs; past the last block the rows are all
-        # masked, and a fully masked load reads no memory.
-        nx_w, nx_s, nx_b = load_words(p_qw, p_s, p_b, stride_qn, stride_sn, o_nx, o_nx < N, 0,
-                                      g_end, BITS, GROUP, BLOCK_G)  # fmt: skip
-        # NOTE: ptxas sinks loads whose results wait for the next iteration below all the
-        # FMAs (they have no consumer in this one), which exposes every tile's latency. No
-        # memory access crosses a barrier, and the mask every code's LOP3 takes is made to
-        # depend on a load after it (an L1 hit; mask_lo >> 31 is 0), so the next tile's
-        # loads stay above this tile's arithmetic (SASS-checked, see the notes).
-        tl.debug_barrier()
-        mask = mask_lo | (tl.load(p_qw) & (mask_lo >> 31))
-        acc = tile_dot(b_w, b_s, b_b, b_xp, b_xs, b_xps, mask, BITS, BLOCK_G)
-        m_n = o_n < N
-        if HAS_RES:
-            acc += tl.load(p_res + o_n, mask=m_n, other=0.0).to(tl.float32)
-        tl.store(p_out + o_n, cast_to(acc, p_out.dtype.element_ty, ON_CPU), mask=m_n)
-        b_w, b_s, b_b, o_n = nx_w, nx_s, nx_b, o_nx
-
-
 @dataclass(frozen=True)
 class GemvConfig:
     """Tile of one GEMV program: BLOCK_N rows, BLOCK_G groups per K step, SPLIT_K programs
-    along K, and the warps per program. ``programs_per_sm`` > 0 selects the persistent
-    pipelined kernel for one row of x (whole K per tile, so block_g and split_k are not
-    used; rows T > 1 take the other kernel with this tile): that many programs an SM."""
+    along K, and the warps per program."""
 
     block_n: int
     block_g: int
     split_k: int = 1
     num_warps: int = 4
-    programs_per_sm: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_g", "num_warps"):
@@ -380,17 +318,9 @@ class GemvConfig:
                 raise ValueError(f"GemvConfig.{name} must be a power of two, got {v}")
         if self.split_k < 1:
             raise ValueError(f"GemvConfig.split_k must be >= 1, got {self.split_k}")
-        if self.programs_per_sm < 0:
-            raise ValueError(f"GemvConfig.programs_per_sm must be >= 0, got {self.programs_per_sm}")
 
 
 _STEP_WORDS = 4096  # packed words one program loads per K step (16 KB, 32 a thread)
-# Persistent kernel, taken where the weight has at least 2M words (8 MB: two or more tiles
-# a program on a 132-SM H200). Tiles of 4096 words (16 KB, 32 a thread at 4 warps) take
-# 167-168 registers, 3 programs an SM; with 4 words a group (4-bit, group 32) the scales
-# double and the tile halves: 2048 words, <= 128 registers, 4 programs (see the notes).
-_STREAM_MIN = 1 << 21
-_CPU_SMS = 1  # the interpreter's "SM count": few programs, several row blocks each
 
 
 @functools.lru_cache(maxsize=1024)  # tiles are pure functions of the shape
@@ -403,10 +333,6 @@ def gemv_config(n: int, k: int, t: int, bits: int, group_size: int) -> GemvConfi
     (routers, the lone k/v projections): split K so that more SMs take part.
     """
     n_groups = k // group_size
-    wpr = k * bits // 32  # words a row
-    tile = 4096 if group_size * bits >= 256 else 2048  # words a persistent tile
-    if t == 1 and n * wpr >= _STREAM_MIN and pow2(wpr) <= tile:
-        return GemvConfig(tile // pow2(wpr), pow2(n_groups), 1, 4, 3 if tile == 4096 else 4)
     if n >= 65536:  # lm_head: many row blocks, loop over K with a big tile
         return GemvConfig(64, min(pow2(n_groups), max(1, 512 // group_size)))
     if t == 1:
@@ -426,47 +352,6 @@ def gemv_config(n: int, k: int, t: int, bits: int, group_size: int) -> GemvConfi
     return GemvConfig(block_n, block_g, split, 4)
 
 
-@functools.lru_cache(maxsize=16)
-def _cuda_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def stream_grid(n: int, cfg: GemvConfig, device: torch.device) -> tuple[int, int]:
-    """(programs, row blocks a program at most) of the persistent kernel: SMs x
-    programs_per_sm programs (fewer for few blocks); the first ``blocks % programs`` take
-    one block more, which spreads the extra blocks over all SMs."""
-    if device.type == "cuda":
-        sms = _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
-    else:
-        sms = _CPU_SMS
-    blocks = cdiv(n, cfg.block_n)
-    programs = min(blocks, sms * cfg.programs_per_sm)
-    return programs, cdiv(blocks, programs)
-
-
-def _launch_stream(
-    x: Tensor,
-    w: QuantWeight,
-    residual: Tensor | None,
-    out: Tensor,
-    cfg: GemvConfig,
-    norm_weight: Tensor | None,
-    eps: float,
-    pdl: bool,
-) -> None:
-    n, k = w.shape
-    programs, iters = stream_grid(n, cfg, x.device)
-    _qgemv_stream_kernel[(programs,)](
-        x, w.qweight, w.scales, w.biases, norm_weight if norm_weight is not None else x,
-        residual if residual is not None else out, out, n, k, w.qweight.stride(0),
-        w.scales.stride(0), mask_lo(w.bits), float(eps),
-        BITS=w.bits, GROUP=w.group_size, BLOCK_N=cfg.block_n,
-        BLOCK_G=pow2(k // w.group_size), ITERS=iters, HAS_RES=residual is not None,
-        HAS_NORM=norm_weight is not None, ON_CPU=x.device.type == "cpu", PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=1, **pdl_launch(pdl),
-    )  # fmt: skip
-
-
 def _launch_qgemv(
     x: Tensor,
     w: QuantWeight,
@@ -479,9 +364,6 @@ def _launch_qgemv(
 ) -> None:
     t, k = x.shape
     n = w.shape[0]
-    if cfg.programs_per_sm and t == 1:
-        _launch_stream(x, w, residual, out, cfg, norm_weight, eps, pdl)
-        return
     n_groups = k // w.group_size
     per_split = cdiv(n_groups, cfg.split_k)
     split = cdiv(n_groups, per_split)  # no empty K slices

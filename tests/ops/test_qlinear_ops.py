@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 
 from lily.model.norm import rms_norm  # noqa: E402
 from lily.ops.qgemm import GemmConfig, gemm_config, qgemm  # noqa: E402
-from lily.ops.qgemv import GemvConfig, gemv_config, qgemv, stream_grid  # noqa: E402
+from lily.ops.qgemv import GemvConfig, gemv_config, qgemv  # noqa: E402
 from lily.ops.ref_linear import ref_qlinear  # noqa: E402
 from lily.quant import QuantWeight, quantize  # noqa: E402
 
@@ -82,13 +82,11 @@ def test_qgemv_tiles_and_split_k(poison, device, cfg):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("first", [None, GemvConfig(8, 4, 1, 4, 2)], ids=["table", "stream"])
-def test_qgemv_split_k_replays(device, first):
+def test_qgemv_split_k_replays(device):
     """Split-K tickets must be clean on every call: a CUDA graph replayed on new inputs on
     the GPU (as the decode step runs), repeated eager calls on the CPU. The graph chains two
     GEMVs with programmatic dependent launch: the second (split-K, norm prologue) reads the
-    first's output, so a read before the wait for the first kernel would show; ``stream``:
-    the first is the persistent kernel (x read after its wait, blocks in a loop)."""
+    first's output, so a read before the wait for the first kernel would show."""
     gen = torch.Generator().manual_seed(8)
     w1 = _weight(256, 256, 4, 64, device, gen)
     w = _weight(24, 256, 4, 64, device, gen)
@@ -98,7 +96,7 @@ def test_qgemv_split_k_replays(device, first):
     x = xs[0].clone()
 
     def chain():
-        h = qgemv(x, w1, pdl=True, config=first)
+        h = qgemv(x, w1, pdl=True)
         return qgemv(h, w, norm_weight=nw, config=cfg, out_dtype=torch.float32, pdl=True)
 
     if device == "cuda":
@@ -164,44 +162,6 @@ def test_qgemv_norm_prologue(poison, device, rows, dtype, cfg):
     assert qgemv(x, w, norm_weight=nw, config=cfg).dtype == dtype
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(
-    "bits,gs,n,block_n,ppsm",
-    [(4, 64, 100, 8, 3), (4, 32, 100, 4, 2), (8, 64, 61, 8, 2), (8, 32, 100, 16, 1),
-     (4, 64, 5, 8, 3), (4, 64, 100, 2, 1)],
-    ids=["4b-g64-n100", "4b-g32-n100", "8b-g64-n61", "8b-g32-n100", "4b-g64-n5-one-block",
-         "4b-g64-n100-50-blocks"],
-)  # fmt: skip
-@pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
-def test_qgemv_stream_matches(poison, device, bits, gs, n, block_n, ppsm, norm):
-    """The persistent pipelined kernel (programs_per_sm > 0): each program walks several row
-    blocks (the CPU counts one "SM": 1-3 programs, up to 50 blocks each), N not a multiple
-    of the block, K = 192 (a masked group at g64). A skipped block stays NaN (poisoned
-    output), a block computed from the wrong tile or written twice with the residual is
-    off by O(1) in its rows; the other kernel with the same tile does the same arithmetic
-    in the same order, so the two must agree bit for bit."""
-    gen = torch.Generator().manual_seed(bits + gs + n + block_n + norm)
-    w = _weight(n, 192, bits, gs, device, gen)
-    x = (2.0 * torch.randn(192, generator=gen)).bfloat16().to(device)
-    nw = (1.0 + 0.2 * torch.randn(192, generator=gen)).bfloat16().to(device) if norm else None
-    res = torch.randn(n, generator=gen).bfloat16().to(device)
-    cfg = GemvConfig(block_n, 4 if gs == 64 else 8, 1, 4, ppsm)
-    plain = GemvConfig(block_n, cfg.block_g, 1, 4)
-    programs, iters = stream_grid(n, cfg, torch.device(device))
-    assert programs * iters >= -(-n // block_n) > programs * (iters - 1)
-    h = rms_norm(x, nw, 1e-6) if norm else x
-    for res_, dtype in ((None, torch.float32), (res, torch.bfloat16), (res, torch.float32)):
-        kw = {"norm_weight": nw, "residual": res_, "out_dtype": dtype}
-        y = qgemv(x, w, config=cfg, **kw)
-        assert y.shape == (n,) and y.dtype == dtype
-        assert torch.equal(y, qgemv(x, w, config=plain, **kw))
-        ref = ref_qlinear(h, w, res_)
-        # every row, not only the whole vector: a wrong block of 2-16 rows must show
-        row_err = ((y.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
-        bound = 2e-5 if dtype == torch.float32 and not norm else 1e-2
-        assert rel_err(y, ref) < bound and row_err < 4 * bound, (rel_err(y, ref), row_err)
-
-
 def test_gemv_config_shapes():
     """The tile table gives valid tiles and enough programs for the model's shapes (the
     fused decode projections included: DeltaNet qkv|z|b|a, attention q|k|v)."""
@@ -214,10 +174,6 @@ def test_gemv_config_shapes():
         assert words <= 4096, (n, k, cfg)  # 32 words a thread at most
         # No split-K (a ticket round trip) where rows alone give >= 384 programs.
         assert cfg.split_k == 1 or n < 1536, (n, k, cfg)
-        # The persistent kernel from 8 MB of weight (two tiles or more a program), whole K.
-        assert (cfg.programs_per_sm > 0) == (n * k >= 8192 * 2048), (n, k, cfg)
-        assert cfg.programs_per_sm == 0 or cfg.block_g * 64 >= k
-        assert gemv_config(n, k, 2, 4, 64).programs_per_sm == 0  # rows T > 1: the other kernel
 
 
 @pytest.mark.parametrize("device", DEVICES)
