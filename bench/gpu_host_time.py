@@ -42,18 +42,22 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=1128)
     ap.add_argument("--cuts", default="2,1123", help="snapshot offsets inside the prompt")
+    ap.add_argument("--context", type=int, default=0, help="history before the prompt")
     ap.add_argument("--out")
     args = ap.parse_args()
     eng = kernel_engine(full_params())
     ids = pseudo_text_ids(args.tokens, 1100, seed=1)
-    cuts = [int(c) for c in args.cuts.split(",") if c]
+    ctx = args.context
+    cuts = [ctx + int(c) for c in args.cuts.split(",") if c]
     st = eng.new_state()
     for c in st.kv.values():
-        c.ensure(args.tokens + 8)
+        c.ensure(ctx + args.tokens + 8)
+    if ctx:
+        eng.runner.prefill(pseudo_text_ids(ctx, 1100, seed=2), st)
+    snap = st.snapshot_recurrent()
 
     def run(points):
-        st.length = 0
-        st.tokens.clear()
+        st.restore(snap, ctx)
         return eng.runner.prefill_snapshots(ids, st, points)
 
     out: dict = {"env": env_info("cuda"), "args": vars(args)}

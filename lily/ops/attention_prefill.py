@@ -208,7 +208,10 @@ def flash_per_sm(block_m: int, block_n: int, dh: int, warps: int, stages: int, c
     return max(1, min(SMEM_PER_SM // smem, 8 // warps))
 
 
-def flash_split(programs: int, keys: int, slots: int, block_n: int) -> int:
+PART_BYTES = 128 * 2**20  # cap on the split partials of one call (fp32, all shares)
+
+
+def flash_split(programs: int, keys: int, slots: int, block_n: int, max_split: int = 16) -> int:
     """Key splits for a chunk whose programs leave the GPU's last wave mostly idle.
 
     Every program of a chunk walks the whole history, so at 1-2K tokens after a long one
@@ -217,15 +220,17 @@ def flash_split(programs: int, keys: int, slots: int, block_n: int) -> int:
     pieces, for the price of the fp32 partials (8 bytes per element, written and read):
     cost(S) = ceil(P S / slots) / S + S * 200 / keys, the second term from the partials'
     bytes against the key tiles' FLOPs at the measured rates; each share keeps at least 8
-    key tiles."""
+    key tiles, at most ``max_split`` shares (the partials' memory), and a split must save
+    5% of the modelled time."""
     best, best_cost = 1, float(cdiv(programs, slots))
-    for s in range(2, 17):
+    plain = best_cost
+    for s in range(2, max_split + 1):
         if keys < 8 * block_n * s:
             break
         cost = cdiv(programs * s, slots) / s + s * 200 / keys
         if cost < best_cost:
             best, best_cost = s, cost
-    return best
+    return best if best_cost < 0.95 * plain else 1
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -299,7 +304,8 @@ def attention_prefill(
         if split is None and qg.is_cuda:
             n_sm = torch.cuda.get_device_properties(qg.device).multi_processor_count
             per_sm = flash_per_sm(block_m, block_n, dh, num_warps, num_stages, k_cache)
-            split = flash_split(programs, start + t, n_sm * per_sm, block_n)
+            cap = max(1, PART_BYTES // (t * h * dh * 4))
+            split = flash_split(programs, start + t, n_sm * per_sm, block_n, min(16, cap))
         start = to_device([start], torch.int32, qg.device)
     split = split or 1
     _check(split >= 1, f"split must be >= 1, got {split}")

@@ -261,6 +261,8 @@ def test_flash_split_fills_the_last_wave():
     assert fs(1024, 4096, 264, 32) == 1  # 4096 tokens from position 0: 3.9 waves
     assert fs(282, 1128, 264, 32) <= 4  # a short history: the partials would cost more
     assert fs(10, 200, 264, 32) == 1  # under 8 key tiles a share
+    assert fs(1024, 131072, 264, 32) == 1  # 3.9 waves: under 5% to gain
+    assert 2 <= fs(282, 17208, 264, 32, max_split=3) <= 3  # the partials' memory cap
     # residency from the tile's shared memory (the compiled kernels' figures, sm_90)
     per_sm = OPS["attn_prefill"].flash_per_sm
     bf16 = torch.empty(0, dtype=torch.bfloat16)
