@@ -161,8 +161,8 @@ class Engine:
     ) -> torch.Tensor:
         """Bring the working state to the end of ``prompt``, reusing what it can.
 
-        Returns the logits of the last prompt token. Snapshots are saved before every turn
-        start in the newly prefilled part, so the next request can resume there. Between
+        Returns the logits of the last prompt token. A snapshot is saved before the last
+        turn start in the newly prefilled part, so the next request can resume there. Between
         chunks ``cancelled`` is checked (PrefillCancelled), so a client that leaves during
         a long prompt frees the engine within one chunk.
         """

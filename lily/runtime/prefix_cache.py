@@ -157,8 +157,18 @@ class PrefixCache:
     # ---- saving during prefill
     @staticmethod
     def snapshot_points(prompt: list[int], start: int, boundary_ids: set[int]) -> list[int]:
-        """Positions in (start, len(prompt)) where a turn starts: state before that token."""
-        return [p for p in range(start + 1, len(prompt)) if prompt[p] in boundary_ids]
+        """Where to save the state in (start, len(prompt)): before the last turn start (the
+        last assistant header of a chat prompt), as a one-element list (or none).
+
+        The next request of the conversation diverges there (the template drops the
+        reasoning of earlier assistant turns) or resumes at the end of this generation (the
+        live state). Earlier turn starts in the new part would only serve an edited message,
+        and each one split the DeltaNet recurrence of every layer once more: about 4 ms of
+        launches per reused turn."""
+        for p in range(len(prompt) - 1, start, -1):
+            if prompt[p] in boundary_ids:
+                return [p]
+        return []
 
     def save(self, pos: int, snap: Snap) -> None:
         """Keep the DeltaNet state at ``pos`` of the live conversation."""

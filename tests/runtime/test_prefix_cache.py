@@ -6,7 +6,7 @@ import pytest
 
 from lily.config import EngineConfig
 from lily.runtime.engine import Engine
-from lily.runtime.prefix_cache import common_prefix
+from lily.runtime.prefix_cache import PrefixCache, common_prefix
 from lily.runtime.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -159,3 +159,13 @@ def test_common_prefix_at_block_edges(diverge):
     want = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), min(len(a), len(b)))
     assert common_prefix(a, b) == common_prefix(b, a) == want
     assert common_prefix(a[:diverge], b) == len(a[:diverge])
+
+
+def test_snapshot_point_is_the_last_turn_start():
+    """One cut per prefill: before the last boundary token after ``start`` (none at or
+    before it, none past the end)."""
+    b = {7}
+    assert PrefixCache.snapshot_points([7, 1, 7, 2, 2, 7, 3], 0, b) == [5]
+    assert PrefixCache.snapshot_points([7, 1, 7, 2, 2, 7, 3], 5, b) == []
+    assert PrefixCache.snapshot_points([7, 1, 7, 2, 2, 3], 1, b) == [2]
+    assert PrefixCache.snapshot_points([7, 1, 2], 0, b) == []
