@@ -93,7 +93,8 @@ def profile_prefill(engine, n: int, context: int = 0) -> dict:
     torch.cuda.synchronize()
     kt = kernel_times(once, reps=2, key_width=90)
     dev_us = sum(v for k, v in kt.items() if k != "error")
-    return {"tokens": n, "context": context, "wall_ms": round(walls[1] * 1e3, 2), "tok_s": round(n / walls[1]),
+    return {"tokens": n, "context": context, "wall_ms": round(walls[1] * 1e3, 2),
+            "tok_s": round(n / walls[1]),
             "host_enqueue_ms": round(host * 1e3, 2), "kernel_sum_ms": round(dev_us / 1e3, 2),
             "by_kind_us": split(kt), "top_kernels_us": top(kt)}  # fmt: skip
 
