@@ -166,9 +166,9 @@ def dn_decode(gen: torch.Generator, copy_gbs: float) -> list[dict]:
     return rows
 
 
-def dn_prefill(gen: torch.Generator) -> list[dict]:
+def dn_prefill(gen: torch.Generator, ts: tuple[int, ...] = DN_PREFILL_T) -> list[dict]:
     rows = []
-    for t in DN_PREFILL_T:
+    for t in ts:
         d = dn_inputs(t, gen)
         ref = ref_deltanet(*dn_args(d), 1e-6)[::2]
 
@@ -471,7 +471,9 @@ def main() -> None:
         action="store_true",
         help="no GPU: compile for sm_90 and report registers, spills, shared memory",
     )
+    ap.add_argument("--dn-t", default=",".join(map(str, DN_PREFILL_T)), help="dn_prefill T")
     args = ap.parse_args()
+    dn_t = tuple(int(x) for x in args.dn_t.split(","))
     if args.compile_only:
         keys = ["kernel", "config", "num_warps", "num_stages", "regs", "stack", "smem", "wgmma",
                 "mma"]  # fmt: skip
@@ -501,7 +503,7 @@ def main() -> None:
     run = {
         "dn_decode": lambda: dn_decode(gen, ceil["copy_GBps"]),
         "attn_decode": lambda: attn_decode(gen, ceil["copy_GBps"]),
-        "dn_prefill": lambda: dn_prefill(gen),
+        "dn_prefill": lambda: dn_prefill(gen, dn_t),
         "attn_prefill": lambda: attn_prefill(gen, ceil["bf16_matmul_TFLOPs"]),
         "attn_split": lambda: attn_split(gen, ceil["bf16_matmul_TFLOPs"]),
     }
