@@ -140,6 +140,9 @@ def main() -> None:
         "which gave non-finite logits (tells a numeric edge of the input from a flow bug)",
     )
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument(
+        "--trace", action="store_true", help="record each prefill segment (adds host syncs)"
+    )
     args = ap.parse_args()
     found: list = []
     if args.check:
@@ -179,7 +182,9 @@ def main() -> None:
     if args.replay:
         replay(cold, args, found)
         return
-    trace = instrument(warm)
+    # The trace synchronizes around every prefill and lookup (and checks the logits), which
+    # the reused side alone would pay: off unless asked for.
+    trace = instrument(warm) if args.trace else []
     system = "You are a coding agent. Use the tools."
     if args.system_tokens:  # an agent's tool definitions: a long, fixed system prompt
         system += "\n" + filler(warm, args.system_tokens, 1000)

@@ -102,9 +102,9 @@ class SessionState:
 
     def restore(self, snap: dict[int, DeltaNetState], length: int) -> None:
         """Return to an earlier point: DeltaNet states from ``snap``, KV truncated to ``length``."""
-        for i, s in snap.items():
-            self.deltanet[i].conv.copy_(s.conv)
-            self.deltanet[i].recurrent.copy_(s.recurrent)
+        # one multi-tensor copy, not 60 launches (about 0.5 ms of host time a reused turn)
+        dst = [t for i in snap for t in (self.deltanet[i].conv, self.deltanet[i].recurrent)]
+        torch._foreach_copy_(dst, [t for s in snap.values() for t in (s.conv, s.recurrent)])
         self.length = length
         del self.tokens[length:]
 
