@@ -158,17 +158,18 @@ class PrefixCache:
     @staticmethod
     def snapshot_points(prompt: list[int], start: int, boundary_ids: set[int]) -> list[int]:
         """Where to save the state in (start, len(prompt)): before the last turn start (the
-        last assistant header of a chat prompt), as a one-element list (or none).
+        last assistant header of a chat prompt) and, for a prompt prefilled from scratch,
+        before the first one (the end of the system prompt, which new conversations share).
 
-        The next request of the conversation diverges there (the template drops the
-        reasoning of earlier assistant turns) or resumes at the end of this generation (the
-        live state). Earlier turn starts in the new part would only serve an edited message,
-        and each one split the DeltaNet recurrence of every layer once more: about 4 ms of
-        launches per reused turn."""
-        for p in range(len(prompt) - 1, start, -1):
-            if prompt[p] in boundary_ids:
-                return [p]
-        return []
+        The next request of the conversation diverges at the last header (the template drops
+        the reasoning of earlier assistant turns) or resumes at the end of this generation
+        (the live state). Other turn starts in the new part would only serve an edited
+        message, and each one split the DeltaNet recurrence of every layer once more: about
+        4 ms of launches per reused turn."""
+        at = [p for p in range(start + 1, len(prompt)) if prompt[p] in boundary_ids]
+        if not at:
+            return []
+        return sorted({at[0], at[-1]}) if start == 0 else [at[-1]]
 
     def save(self, pos: int, snap: Snap) -> None:
         """Keep the DeltaNet state at ``pos`` of the live conversation."""

@@ -161,11 +161,25 @@ def test_common_prefix_at_block_edges(diverge):
     assert common_prefix(a[:diverge], b) == len(a[:diverge])
 
 
-def test_snapshot_point_is_the_last_turn_start():
-    """One cut per prefill: before the last boundary token after ``start`` (none at or
-    before it, none past the end)."""
+def test_snapshot_points_last_turn_start_and_system_end():
+    """Before the last boundary token after ``start``; from scratch also before the first
+    (none at or before ``start``)."""
     b = {7}
-    assert PrefixCache.snapshot_points([7, 1, 7, 2, 2, 7, 3], 0, b) == [5]
+    assert PrefixCache.snapshot_points([7, 1, 7, 2, 7, 2, 7, 3], 0, b) == [2, 6]
+    assert PrefixCache.snapshot_points([7, 1, 7, 2, 7, 2, 7, 3], 1, b) == [6]
     assert PrefixCache.snapshot_points([7, 1, 7, 2, 2, 7, 3], 5, b) == []
-    assert PrefixCache.snapshot_points([7, 1, 7, 2, 2, 3], 1, b) == [2]
+    assert PrefixCache.snapshot_points([7, 1, 7, 2, 2, 3], 0, b) == [2]
     assert PrefixCache.snapshot_points([7, 1, 2], 0, b) == []
+
+
+def test_new_conversation_reuses_the_shared_system_prompt(engines):
+    """Two conversations with one system prompt: the second resumes after it."""
+    warm, cold = engines
+    warm.reset()
+    system = {"role": "system", "content": "You are a careful agent with many tools. " * 8}
+    first = warm.encode_chat([system, {"role": "user", "content": "first task"}])
+    assert_same(warm, cold, first)
+    second = warm.encode_chat([system, {"role": "user", "content": "another task entirely"}])
+    _, cached = assert_same(warm, cold, second)
+    system_end = next(i for i in range(1, len(second)) if second[i] == warm.tokenizer.im_start_id)
+    assert cached == system_end
