@@ -88,3 +88,15 @@ def test_launched_goes_direct_only_for_a_seen_signature(fake_triton):
     k[(1,)](x, 7, 2e-6, 8)
     k[(1,)](x, 7, 2e-6, 8)
     assert len(slow) == 10
+
+
+def test_launch_key_is_the_spec_of_every_argument():
+    """The inlined key (tensors and ints) equals ``_spec`` argument by argument, and a
+    constexpr passed by position is keyed by its value."""
+    k = launch.Launched.__new__(launch.Launched)
+    t = torch.zeros(8, dtype=torch.bfloat16)
+    args = (t, t[1:], torch.nn.Parameter(torch.zeros(4)), 1, 16, 17, 2**40, -(2**31) - 1,
+            2**63, True, 0.5, None, 64)  # fmt: skip
+    k.by_value = (False,) * (len(args) - 1) + (True,)
+    assert k._key(args) == tuple(launch._spec(a) for a in args[:-1]) + (64,)
+    assert k._key((t[1:],)) != k._key((t,))  # 2-byte offset: not 16-byte aligned
