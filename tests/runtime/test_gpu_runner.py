@@ -212,3 +212,26 @@ def test_decode_and_draw_in_one_graph(models, checkpoint):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert caught == []
+
+
+def test_no_gc_restores_the_collector():
+    """The collector is off inside a prefill's enqueue and back as it was after, also when
+    the prefill raises; a collector already off stays off."""
+    import gc
+
+    from lily.runtime.gpu_runner import _no_gc
+
+    assert gc.isenabled()
+    with _no_gc():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), _no_gc():
+        raise RuntimeError("fault mid-prefill")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with _no_gc():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
