@@ -295,7 +295,11 @@ def attention_prefill(
         inv_freq.dim() == 1 and inv_freq.dtype == torch.float32 and 2 * inv_freq.numel() <= dh,
         f"inv_freq must be fp32 (R/2,) with R <= {dh}, got {tuple(inv_freq.shape)}",
     )
-    programs = cdiv(t, block_m // g) * hkv
+    _check(
+        block_m > 0 and block_m % g == 0,
+        f"block_m={block_m} must be a multiple of the group size {g} (and positive)",
+    )
+    q_blocks = cdiv(t, block_m // g)  # programs along the tokens, per KV head
     if isinstance(start, int):
         _check(
             0 <= start and start + t <= t_max,
@@ -305,7 +309,7 @@ def attention_prefill(
             n_sm = torch.cuda.get_device_properties(qg.device).multi_processor_count
             per_sm = flash_per_sm(block_m, block_n, dh, num_warps, num_stages, k_cache)
             cap = max(1, PART_BYTES // (t * h * dh * 4))
-            split = flash_split(programs, start + t, n_sm * per_sm, block_n, min(16, cap))
+            split = flash_split(q_blocks * hkv, start + t, n_sm * per_sm, block_n, min(16, cap))
         start = to_device([start], torch.int32, qg.device)
     split = split or 1
     _check(split >= 1, f"split must be >= 1, got {split}")
@@ -315,7 +319,6 @@ def attention_prefill(
     )
     tensors = (qg, k, v, q_norm, k_norm, k_cache, v_cache, start, inv_freq)
     _check(all(x.device == k_cache.device for x in tensors), "all tensors must be on one device")
-    _check(block_m % g == 0, f"block_m={block_m} must be a multiple of the group size {g}")
 
     bd = pow2(dh)
     q_buf = torch.empty(t, h, dh, dtype=k_cache.dtype, device=qg.device)
@@ -351,7 +354,7 @@ def attention_prefill(
         lse_part = torch.empty(split, t * h, dtype=torch.float32, device=qg.device)
     else:
         o_part = lse_part = out
-    _flash_kernel[(cdiv(t, block_m // g), hkv, split)](
+    _flash_kernel[(q_blocks, hkv, split)](
         qg, q_buf, k_cache, v_cache, start, out, o_part, lse_part, t, t_max, qg.stride(0),
         dh**-0.5 * LOG2E, split, H=h, HKV=hkv, DH=dh, BM=block_m, BN=block_n, BD=bd,
         IS_SPLIT=split > 1, num_warps=num_warps, num_stages=num_stages,

@@ -128,7 +128,7 @@ def _spec(a) -> tuple:
     if isinstance(a, bool):
         return ("b", a)
     if isinstance(a, int):
-        width = 0 if -(2**31) <= a < 2**31 else 1 if -(2**63) <= a < 2**63 else 2
+        width = 0 if -_I32 <= a < _I32 else 1 if -_I64 <= a < _I64 else 2
         return ("i", width, a == 1, a % 16 == 0)
     if isinstance(a, float):
         return ("f",)

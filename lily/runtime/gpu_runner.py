@@ -168,15 +168,12 @@ class GpuRunner(Runner):
         return fused
 
     def _project(self, i: int, x: torch.Tensor, norm_w: torch.Tensor, eps: float,
-                 names: tuple[str, ...], sub: str) -> list[torch.Tensor]:  # fmt: skip
+                 kind: str) -> list[torch.Tensor]:  # fmt: skip
         """The layer's input projections of rmsnorm(x) for one token: (N,) each."""
-        if i in self.fused:
-            w, sizes = self.fused[i]
-            if isinstance(w, QuantWeight):  # the norm rides in the GEMV's prologue
-                return list(qgemv(x, w, norm_weight=norm_w, eps=eps).split(sizes))
-            return list(linear(rmsnorm(x, norm_w, eps), w).split(sizes))
-        h = rmsnorm(x, norm_w, eps)
-        return [linear(h, self.p[f"layers.{i}.{sub}{n}"]) for n in names]
+        w = self.fused[i][0] if i in self.fused else None
+        if isinstance(w, QuantWeight):  # the norm rides in the GEMV's prologue
+            return list(qgemv(x, w, norm_weight=norm_w, eps=eps).split(self.fused[i][1]))
+        return self._project_chunk(i, rmsnorm(x, norm_w, eps), kind)
 
     def _project_chunk(self, i: int, h: torch.Tensor, kind: str) -> list[torch.Tensor]:
         """The layer's input projections of T normed rows: one GEMM over the fused weight,
@@ -196,8 +193,7 @@ class GpuRunner(Runner):
         x = embedding(ids, p["embed_tokens"], self.model.dtype)[0]
         for i, kind in enumerate(cfg.layer_types):
             pre = f"layers.{i}."
-            sub, names = FUSED[kind]
-            parts = self._project(i, x, p[pre + "input_norm"], eps, names, sub)
+            parts = self._project(i, x, p[pre + "input_norm"], eps, kind)
             if kind == "linear_attention":
                 d, st = pre + "dn.", state.deltanet[i]
                 o = deltanet_decode(*parts, p[d + "conv1d"], st.conv, p[d + "A_log"],
