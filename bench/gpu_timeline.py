@@ -17,8 +17,11 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import lily.runtime.engine as engine_mod
+import lily.runtime.gpu_runner as runner_mod
 from bench.full_model import full_params, kernel_engine, write_json
 from bench.multiturn import filler, ttft
+from lily.ops.launch import Launched
 from lily.runtime.sampling import SamplingParams
 
 
@@ -45,6 +48,55 @@ def gaps(prof, top: int) -> dict:
             "idle_ms": sum(g for g, _, _ in idle) / 1e3,
             "idle_over_20us_ms": sum(g for g, _, _ in idle if g > 20) / 1e3,
             "top_gaps_us": [[round(g, 1), a, b] for g, a, b in idle[:top]]}  # fmt: skip
+
+
+def host_probe(eng) -> tuple[list, callable]:
+    """Record a host timestamp at every Triton launch and at the engine's steps before the
+    first launch (no syncs, so the host runs as in a plain turn); returns the list and an
+    undo function."""
+    marks: list = []
+    now = time.perf_counter
+    undo = []
+
+    def wrap(obj, name, label):
+        orig = getattr(obj, name)
+        raw = vars(obj).get(name, orig)  # a staticmethod goes back as one
+
+        def inner(*a, **kw):
+            marks.append((now(), label + ">"))
+            out = orig(*a, **kw)
+            marks.append((now(), label + "<"))
+            return out
+
+        setattr(obj, name, inner)
+        undo.append(lambda: setattr(obj, name, raw))
+
+    launch = Launched.launch
+
+    def probe_launch(self, grid, args, kwargs):
+        marks.append((now(), getattr(self.fn, "__name__", "?")))
+        launch(self, grid, args, kwargs)
+
+    Launched.launch = probe_launch
+    undo.append(lambda: setattr(Launched, "launch", launch))
+    wrap(eng.prefix_cache, "acquire", "acquire")
+    wrap(eng.runner, "prefill_snapshots", "prefill_snapshots")
+    wrap(runner_mod, "to_device", "to_device")
+    wrap(runner_mod, "embedding", "embedding")
+    wrap(engine_mod.PrefixCache, "snapshot_points", "snapshot_points")
+    return marks, lambda: [u() for u in reversed(undo)]
+
+
+def host_gaps(marks: list, t0: float, top: int) -> dict:
+    """The host's time between consecutive marks (launches and steps), largest first, and
+    the marks of the first 2 ms."""
+    steps = [(round((b[0] - a[0]) * 1e6, 1), a[1], b[1], round((a[0] - t0) * 1e6))
+             for a, b in zip(marks, marks[1:], strict=False)]  # fmt: skip
+    return {"marks": len(marks), "first_mark_us": round((marks[0][0] - t0) * 1e6, 1),
+            "last_mark_us": round((marks[-1][0] - t0) * 1e6, 1),
+            "top_steps_us": sorted(steps, reverse=True)[:top],
+            "start": [[round((m[0] - t0) * 1e6, 1), m[1]]
+                      for m in marks if m[0] - t0 < 2e-3]}  # fmt: skip
 
 
 def main() -> None:
@@ -77,7 +129,17 @@ def main() -> None:
         res = {"tokens": len(ids), "cached": eng.last_usage.cached_tokens,
                "ttft_profiled_s": profiled, **gaps(prof, args.top)}  # fmt: skip
         print(json.dumps(res, indent=1), flush=True)
-        write_json(args.out, args, warmup=rows, timeline=res)
+        # one more turn with host timestamps at every launch (no profiler, no syncs)
+        msgs.append({"role": "assistant", "content": "ok"})
+        msgs.append({"role": "user", "content": filler(eng, args.turn_tokens, 99)})
+        ids = eng.encode_chat(msgs, enable_thinking=True)
+        marks, undo = host_probe(eng)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        host = {"ttft_s": first_token(eng, ids), **host_gaps(marks, t0, args.top)}
+        undo()
+        print(json.dumps({k: v for k, v in host.items() if k != "start"}, indent=1), flush=True)
+        write_json(args.out, args, warmup=rows, timeline=res, host=host)
 
 
 if __name__ == "__main__":
