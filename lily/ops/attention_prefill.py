@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lily.ops.launch import cdiv, launched, pow2, to_device
+from lily.ops.launch import cdiv, launched, pow2
 from lily.ops.norm_rope import rms_rope_rows, sigmoid
 
 Tensor = torch.Tensor
@@ -35,10 +35,13 @@ LOG2E = 1.4426950408889634
 def _prep_kernel(
     qg, k, v, q_norm, k_norm, inv_freq, p_start, q_buf, k_cache, v_cache, T, T_MAX, stride_qg,
     stride_k, stride_v, eps, H: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr,
-    R: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    R: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, START_PTR: tl.constexpr,
 ):  # fmt: skip
     i_t, i_g = tl.program_id(0), tl.program_id(1)
-    start = tl.load(p_start).to(tl.int32)
+    if START_PTR:  # a device position (graph-safe); else the host's int
+        start = tl.load(p_start).to(tl.int32)
+    else:
+        start = p_start
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
     o_d = tl.arange(0, BD)
@@ -78,12 +81,15 @@ def _prep_kernel(
 def _flash_kernel(
     qg, q_buf, k_cache, v_cache, p_start, out, o_part, lse_part, T, T_MAX, stride_qg, sm_scale,
     n_split, H: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, BM: tl.constexpr,
-    BN: tl.constexpr, BD: tl.constexpr, IS_SPLIT: tl.constexpr,
+    BN: tl.constexpr, BD: tl.constexpr, IS_SPLIT: tl.constexpr, START_PTR: tl.constexpr,
 ):  # fmt: skip
     i_m, i_kvh, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     G: tl.constexpr = H // HKV
     BMT: tl.constexpr = BM // G  # tokens per program
-    start = tl.load(p_start).to(tl.int32)
+    if START_PTR:
+        start = tl.load(p_start).to(tl.int32)
+    else:
+        start = p_start
     o_r = tl.arange(0, BM)
     o_t = i_m * BMT + o_r // G  # token of each row (within the chunk)
     head = i_kvh * G + o_r % G
@@ -310,14 +316,18 @@ def attention_prefill(
             per_sm = flash_per_sm(block_m, block_n, dh, num_warps, num_stages, k_cache)
             cap = max(1, PART_BYTES // (t * h * dh * 4))
             split = flash_split(q_blocks * hkv, start + t, n_sm * per_sm, block_n, min(16, cap))
-        start = to_device([start], torch.int32, qg.device)
+        # NOTE: an int start goes to the kernels as an argument: a device copy of it cost
+        # each attention layer a host tensor, a pinned copy and a transfer.
+        start_ptr = False
+    else:
+        _check(
+            start.numel() == 1 and not start.dtype.is_floating_point,
+            f"start must be an int or a one-element integer tensor, got {start.dtype}",
+        )
+        start_ptr = True
     split = split or 1
     _check(split >= 1, f"split must be >= 1, got {split}")
-    _check(
-        start.numel() == 1 and not start.dtype.is_floating_point,
-        f"start must be an int or a one-element integer tensor, got {start.dtype}",
-    )
-    tensors = (qg, k, v, q_norm, k_norm, k_cache, v_cache, start, inv_freq)
+    tensors = [qg, k, v, q_norm, k_norm, k_cache, v_cache, inv_freq] + [start] * start_ptr
     _check(all(x.device == k_cache.device for x in tensors), "all tensors must be on one device")
 
     bd = pow2(dh)
@@ -346,6 +356,7 @@ def attention_prefill(
         R=2 * inv_freq.numel(),
         BT=bt,
         BD=bd,
+        START_PTR=start_ptr,
         num_warps=4,
     )
     out = torch.empty(t, h * dh, dtype=qg.dtype, device=qg.device)
@@ -357,7 +368,7 @@ def attention_prefill(
     _flash_kernel[(q_blocks, hkv, split)](
         qg, q_buf, k_cache, v_cache, start, out, o_part, lse_part, t, t_max, qg.stride(0),
         dh**-0.5 * LOG2E, split, H=h, HKV=hkv, DH=dh, BM=block_m, BN=block_n, BD=bd,
-        IS_SPLIT=split > 1, num_warps=num_warps, num_stages=num_stages,
+        IS_SPLIT=split > 1, START_PTR=start_ptr, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split > 1:
         br = 16

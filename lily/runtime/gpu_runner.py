@@ -22,6 +22,8 @@ from lily.ops.attention_decode import attention_decode
 from lily.ops.attention_prefill import attention_prefill
 from lily.ops.deltanet_decode import DeltaNetDecodeWorkspace, deltanet_decode
 from lily.ops.deltanet_prefill import deltanet_prefill
+from lily.ops.embedding import DTYPES as EMBED_DTYPES
+from lily.ops.embedding import embedding_rows
 from lily.ops.launch import to_device
 from lily.ops.moe_decode import moe_decode
 from lily.ops.moe_prefill import moe_prefill
@@ -52,6 +54,14 @@ def linear(x: torch.Tensor, w: Weight, residual: torch.Tensor | None = None,
         if out_dtype is not None:
             y = y.to(out_dtype)
     return y if residual is None else y + residual
+
+
+def embed(ids: torch.Tensor, w: Weight, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` of the embedding table: one kernel for a packed table (the reference's
+    gather and dequantize were ten launches), the reference otherwise."""
+    if isinstance(w, QuantWeight) and dtype in EMBED_DTYPES:
+        return embedding_rows(ids, w, dtype)
+    return embedding(ids, w, dtype)
 
 
 def residual_norm(o: torch.Tensor, w: Weight, x: torch.Tensor, norm_w: torch.Tensor,
@@ -190,7 +200,7 @@ class GpuRunner(Runner):
         """One token: fused norms and projections, mixer kernel, fused MoE (graph-safe)."""
         cfg, p = self.cfg, self.p
         eps = cfg.rms_norm_eps
-        x = embedding(ids, p["embed_tokens"], self.model.dtype)[0]
+        x = embed(ids, p["embed_tokens"], self.model.dtype)[0]
         for i, kind in enumerate(cfg.layer_types):
             pre = f"layers.{i}."
             parts = self._project(i, x, p[pre + "input_norm"], eps, kind)
@@ -231,7 +241,7 @@ class GpuRunner(Runner):
         if t_len == 1 and isinstance(start, int):
             # A one-token chunk takes the decode kernels, which read the position on device.
             start = to_device([start], torch.int32, self.dev)
-        x = embedding(ids, p["embed_tokens"], self.model.dtype)
+        x = embed(ids, p["embed_tokens"], self.model.dtype)
         for i, kind in enumerate(cfg.layer_types):
             pre = f"layers.{i}."
             h = rmsnorm(x, p[pre + "input_norm"], eps)

@@ -102,9 +102,13 @@ class SessionState:
 
     def restore(self, snap: dict[int, DeltaNetState], length: int) -> None:
         """Return to an earlier point: DeltaNet states from ``snap``, KV truncated to ``length``."""
-        # one multi-tensor copy, not 60 launches (about 0.5 ms of host time a reused turn)
-        dst = [t for i in snap for t in (self.deltanet[i].conv, self.deltanet[i].recurrent)]
-        torch._foreach_copy_(dst, [t for s in snap.values() for t in (s.conv, s.recurrent)])
+        # Two multi-tensor copies, one per dtype, not 60 launches: torch's fused path takes
+        # lists of one dtype only (mixed, it fell back to 60 copies: ~1 ms of host time on
+        # a slow host, before any GPU work of the turn; bench/gpu_timeline.py).
+        conv = [self.deltanet[i].conv for i in snap]
+        torch._foreach_copy_(conv, [s.conv for s in snap.values()])
+        rec = [self.deltanet[i].recurrent for i in snap]
+        torch._foreach_copy_(rec, [s.recurrent for s in snap.values()])
         self.length = length
         del self.tokens[length:]
 

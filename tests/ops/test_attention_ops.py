@@ -190,16 +190,18 @@ def test_decode_rejects_bad_input():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    "split,block_m,block_n",
-    [((37,), 16, 16), ((20, 17), 64, 32), ((5, 32), 16, 16)],
-    ids=["one-chunk", "20+17", "5+32"],
-)
-def test_prefill_chunks_match_one_shot_reference(device, split, block_m, block_n):
+    "split,block_m,block_n,on_device",
+    [((37,), 16, 16, False), ((20, 17), 64, 32, True), ((5, 32), 16, 16, True),
+     ((1, 19, 17), 16, 16, False)],
+    ids=["one-chunk", "20+17", "5+32", "1+19+17-int"],
+)  # fmt: skip
+def test_prefill_chunks_match_one_shot_reference(device, split, block_m, block_n, on_device):
     d = make_inputs(37, 48, device=device, seed=6)
     ref_out, ref_k, ref_v = reference(d, 0, slice(0, 37))
     outs, s = [], 0
     for n in split:
-        start = torch.tensor([s], device=device) if s else s  # a device scalar works too
+        # the host's int (1 and 20 here: Triton makes a 1 a constant) or a device scalar
+        start = torch.tensor([s], device=device) if s and on_device else s
         outs.append(prefill(d, start, slice(s, s + n), block_m=block_m, block_n=block_n))
         s += n
     out = torch.cat(outs)

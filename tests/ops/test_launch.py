@@ -14,7 +14,10 @@ from lily.ops.launch import to_device
 def test_to_device_on_cpu_keeps_values_and_dtype():
     t = to_device([3, -1, 2**40], torch.long, torch.device("cpu"))
     assert t.dtype == torch.long and t.tolist() == [3, -1, 2**40]
-    assert to_device([7], torch.int32, torch.device("cpu")).dtype == torch.int32
+    t = to_device([7, -(2**31), 2**31 - 1], torch.int32, torch.device("cpu"))
+    assert t.dtype == torch.int32 and t.tolist() == [7, -(2**31), 2**31 - 1]
+    assert to_device([], torch.long, torch.device("cpu")).shape == (0,)
+    assert to_device([1, 0], torch.bool, torch.device("cpu")).tolist() == [True, False]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned non-blocking copies: CUDA")
