@@ -106,6 +106,34 @@ def moe_rows(ceil, w, gen, moe_t=MOE_T) -> list[dict]:
     return rows
 
 
+def route_rows(ceil, w, gen, moe_t=MOE_T) -> list[dict]:
+    """The whole moe_prefill at the table's tiles with 4-32 tokens per routing program (the
+    route kernel, 21 us a layer at 16 tokens, ran 71 programs for T = 1,128)."""
+    import lily.ops.moe_prefill as mp
+
+    rows: list[dict] = []
+    args = list(w.values())
+    keep = mp._BLOCK_T
+    for t in moe_t:
+        x = torch.randn(t, D, generator=gen, device=DEV).to(BF16)
+        res = torch.randn(t, D, generator=gen, device=DEV).to(BF16)
+        ref = ref_moe(x[:64], *args, TOP_K, res[:64])
+        for bt in (4, 8, 16, 32):
+
+            def point():
+                fn = partial(moe_prefill, x, *args, TOP_K, res)  # noqa: B023
+                err = rel(fn()[:64], ref)  # noqa: B023
+                return {"rel_err": err, "us": bench_ms(fn) * 1e3}
+
+            mp._BLOCK_T = bt
+            try:
+                attempt(rows, {"op": "moe_prefill route", "T": t, "config": f"block_t {bt}"},
+                        point)  # fmt: skip
+            finally:
+                mp._BLOCK_T = keep
+    return rows
+
+
 def dense_rows(ceil, gen, dense_t=DENSE_T) -> list[dict]:
     rows: list[dict] = []
     for name, n, k in DENSE:
@@ -228,6 +256,7 @@ def main() -> None:
     parts = {"gemv": lambda: gemv_rows(ceil, gen), "moe_decode": lambda: moe_decode_rows(ceil, w, gen),  # noqa: E501
              "moe": lambda: moe_rows(ceil, w, gen, moe_t),
              "router": lambda: router_rows(ceil, w, gen, moe_t),
+             "route": lambda: route_rows(ceil, w, gen, moe_t),
              "dense": lambda: dense_rows(ceil, gen, dense_t)}  # fmt: skip  # noqa: E501
     for name in args.only.split(","):
         res[name] = parts[name]()
@@ -239,7 +268,8 @@ def main() -> None:
                 json.dump(res, f, indent=1)
     print("BEST", flush=True)
     for name, keys in (("gemv", ("shape",)), ("moe_decode", ("op",)), ("moe", ("op", "T")),
-                       ("dense", ("shape", "T")), ("router", ("op", "T"))):  # fmt: skip
+                       ("dense", ("shape", "T")), ("router", ("op", "T")),
+                       ("route", ("op", "T"))):  # fmt: skip
         for r in best(res.get(name, []), keys):
             print(name, {k: r.get(k) for k in ("shape", "op", "T", "config", "us", "of_copy",
                                                "TFLOPs", "rel_err")})  # fmt: skip
