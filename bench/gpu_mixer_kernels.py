@@ -62,6 +62,9 @@ ATTN_SPLIT_SHAPES = ((1128, 16080), (512, 16000), (2048, 16000), (1128, 4000), (
                      (4096, 12288), (4096, 126976))  # fmt: skip
 ATTN_SPLIT_TRIES = (1, 2, 3, 4, 6, 8, 12)
 ATTN_SPLIT_CONFIGS = [(64, 32, 4), (128, 32, 8)]  # block_m, block_n, warps
+# block_m, block_n, warps, stages
+ATTN_TILE_CONFIGS = [(64, 32, 4, 2), (64, 32, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3),
+                     (64, 64, 8, 2), (128, 64, 8, 2), (64, 16, 4, 3)]  # fmt: skip
 BF16 = torch.bfloat16
 DEV = "cuda"
 
@@ -288,20 +291,23 @@ def attn_prefill(gen: torch.Generator, mm_tflops: float) -> list[dict]:
     return rows
 
 
-def attn_split(gen: torch.Generator, mm_tflops: float) -> list[dict]:
-    """Prefill tiles with their keys split S ways, and the S that flash_split picks."""
+def attn_split(gen: torch.Generator, mm_tflops: float, shapes=ATTN_SPLIT_SHAPES,
+               configs=ATTN_SPLIT_CONFIGS, tries=ATTN_SPLIT_TRIES) -> list[dict]:  # fmt: skip
+    """Prefill tiles with their keys split S ways, and the S that flash_split picks.
+    ``configs``: (block_m, block_n, warps) or (block_m, block_n, warps, stages)."""
     rows = []
     inv_freq = rope_inv_freq(R, THETA, DEV)
     n_sm = torch.cuda.get_device_properties(DEV).multi_processor_count
-    for t, start in ATTN_SPLIT_SHAPES:
+    for t, start in shapes:
         d = attn_inputs(t, start + t, gen, start)
         ref = ref_attention(*attn_args(d), start, R, THETA)[0]
         torch.cuda.empty_cache()
         flops = 4 * H * DH * (t * start + t * (t + 1) // 2)
         start_t = torch.tensor([start], device=DEV)
-        for bm, bn, warps in ATTN_SPLIT_CONFIGS:
-            kw = {"block_m": bm, "block_n": bn, "num_warps": warps}
-            per_sm = flash_per_sm(bm, bn, DH, warps, 2, d["k_cache"])
+        for bm, bn, warps, *st in configs:
+            stages = st[0] if st else 2
+            kw = {"block_m": bm, "block_n": bn, "num_warps": warps, "num_stages": stages}
+            per_sm = flash_per_sm(bm, bn, DH, warps, stages, d["k_cache"])
             auto = flash_split(cdiv(t, bm // (H // HKV)) * HKV, start + t, n_sm * per_sm, bn)
 
             def measure(split: int, d=d, ref=ref, flops=flops, start_t=start_t, kw=kw, auto=auto):
@@ -314,9 +320,10 @@ def attn_split(gen: torch.Generator, mm_tflops: float) -> list[dict]:
                 return {"ms": ms, "TFLOPs": tflops, "frac_matmul": tflops / mm_tflops,
                         "rel_err": err, "picked": split == auto}  # fmt: skip
 
-            for split in dict.fromkeys((auto, *ATTN_SPLIT_TRIES)):
+            for split in dict.fromkeys((auto, *tries)):
                 base = {"op": "attn_split", "T": t, "start": start, "block_m": bm,
-                        "num_warps": warps, "split": split}  # fmt: skip
+                        "block_n": bn, "num_warps": warps, "num_stages": stages,
+                        "split": split}  # fmt: skip
                 attempt(rows, base, lambda sp=split, f=measure: f(sp))
         del d, ref
         torch.cuda.empty_cache()
@@ -446,6 +453,8 @@ SECTIONS = {
     "attn_prefill": ["T", "start", "block_m", "block_n", "num_warps", "ms", "ms_eager", "TFLOPs",
                      "rel_err"],
     "attn_split": ["T", "start", "block_m", "split", "picked", "ms", "TFLOPs", "rel_err"],
+    "attn_tiles": ["block_m", "block_n", "num_warps", "num_stages", "split", "picked", "ms",
+                   "TFLOPs", "rel_err"],
 }  # fmt: skip
 
 
@@ -506,6 +515,9 @@ def main() -> None:
         "dn_prefill": lambda: dn_prefill(gen, dn_t),
         "attn_prefill": lambda: attn_prefill(gen, ceil["bf16_matmul_TFLOPs"]),
         "attn_split": lambda: attn_split(gen, ceil["bf16_matmul_TFLOPs"]),
+        # the reused turn's shape only, more tiles and pipeline depths
+        "attn_tiles": lambda: attn_split(gen, ceil["bf16_matmul_TFLOPs"], ((1128, 16080),),
+                                         ATTN_TILE_CONFIGS, (1, 4, 8)),
     }
     tables = [head]
     for name in names:

@@ -40,7 +40,7 @@ from lily.ops.qgemm import (
     load_dequant,
     mma,
 )
-from lily.ops.rmsnorm import cast_to, to_bf16
+from lily.ops.rmsnorm import cast_to, check_norm, to_bf16
 from lily.quant import QuantWeight
 
 Tensor = torch.Tensor
@@ -258,9 +258,9 @@ def _moe_down_kernel(
 @launched
 @triton.jit
 def _moe_combine_kernel(
-    p_y, p_res, p_out, T, D, stride_y, stride_rt, stride_ot,
+    p_y, p_res, p_out, p_nw, p_h, T, D, stride_y, stride_rt, stride_ot, stride_h, eps,
     N_SLOTS: tl.constexpr, PAIR_STRIDE: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_RES: tl.constexpr, ON_CPU: tl.constexpr,
+    HAS_RES: tl.constexpr, NORM: tl.constexpr, ON_CPU: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     o_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -271,7 +271,14 @@ def _moe_combine_kernel(
     for s in tl.static_range(N_SLOTS):
         p_ys = p_y + (t * PAIR_STRIDE + s).to(tl.int64) * stride_y + o_d
         acc += tl.load(p_ys, mask=m_d, other=0.0).to(tl.float32)
-    tl.store(p_out + t * stride_ot + o_d, cast_to(acc, p_out.dtype.element_ty, ON_CPU), mask=m_d)
+    b_x = cast_to(acc, p_out.dtype.element_ty, ON_CPU)
+    tl.store(p_out + t * stride_ot + o_d, b_x, mask=m_d)
+    if NORM:  # the next layer's input norm of the rounded row (one program holds all of it)
+        b_xf = b_x.to(tl.float32)
+        b_w = tl.load(p_nw + o_d, mask=m_d, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt_rn(tl.sum(b_xf * b_xf, axis=0) / D + eps)
+        b_h = cast_to(b_xf * rstd * b_w, p_h.dtype.element_ty, ON_CPU)
+        tl.store(p_h + t * stride_h + o_d, b_h, mask=m_d)
 
 
 @dataclass(frozen=True)
@@ -330,12 +337,17 @@ def moe_prefill(
     *,
     atomic: bool = False,
     config: MoePrefillConfig | None = None,
-) -> Tensor:
+    norm_weight: Tensor | None = None,
+    eps: float = 1e-6,
+) -> Tensor | tuple[Tensor, Tensor]:
     """``residual + moe(x)`` for x (T, D) -> (T, D) in x's dtype, no host sync inside.
 
     Weights as in ``moe_decode``. ``atomic``: the down projection adds its rows into an
     fp32 (T, D) buffer with atomics instead of writing y (T, k+1, D) for a sum pass; less
     traffic, but the order of the fp32 adds (and so the last bits) varies run to run.
+    With ``norm_weight`` (D,) returns ``(out, rmsnorm(out, norm_weight, eps))``: the next
+    layer's input norm rides in the last launch (one launch a layer less; each cost the
+    host of a reused turn 40-90 us).
     """
     name = "moe_prefill"
     e, i, d = _check_moe_weights(gate, up, down, name)
@@ -351,8 +363,11 @@ def moe_prefill(
     t = x.shape[0]
     if residual is not None and (tuple(residual.shape) != (t, d) or residual.device != x.device):
         raise ValueError(f"{name}: residual must be ({t}, {d}) on {x.device}")
+    if norm_weight is not None:
+        norm_weight = check_norm(norm_weight, d, name, x.device)
     if t == 0:
-        return torch.empty_like(x)
+        out = torch.empty_like(x)
+        return out if norm_weight is None else (out, torch.empty_like(x))
     x = x.contiguous()
     residual = residual.contiguous() if residual is not None else None
     cfg = config or moe_prefill_config(t, top_k, e)
@@ -437,16 +452,18 @@ def moe_prefill(
 
     # 6. residual + sum over slots (or the fp32 buffer's rounding, with atomics).
     out = torch.empty((t, d), dtype=x.dtype, device=dev)
-    block_d = min(1024, pow2(d))
+    norm = norm_weight is not None
+    h_next = torch.empty((t, d), dtype=x.dtype, device=dev) if norm else out
+    block_d = pow2(d) if norm else min(1024, pow2(d))  # the norm needs whole rows
     if atomic:
         n_slots, stride, res = 1, 1, None
     else:
         n_slots, stride, res = top_k + int(has_shared), ks, residual
     _moe_combine_kernel[(t, cdiv(d, block_d))](
-        y, res if res is not None else out, out, t, d, y.stride(0),
-        res.stride(0) if res is not None else 0, out.stride(0),
-        N_SLOTS=n_slots, PAIR_STRIDE=stride, BLOCK_D=block_d, HAS_RES=res is not None,
-        ON_CPU=on_cpu,
-        num_warps=4,
+        y, res if res is not None else out, out, norm_weight if norm else out, h_next, t, d,
+        y.stride(0), res.stride(0) if res is not None else 0, out.stride(0), h_next.stride(0),
+        float(eps), N_SLOTS=n_slots, PAIR_STRIDE=stride, BLOCK_D=block_d,
+        HAS_RES=res is not None, NORM=norm, ON_CPU=on_cpu,
+        num_warps=4 if block_d <= 4096 else 8,
     )  # fmt: skip
-    return out
+    return (out, h_next) if norm else out

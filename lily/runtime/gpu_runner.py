@@ -95,12 +95,18 @@ MOE_WEIGHTS = ("router", "gate_proj", "up_proj", "down_proj", "shared_gate_proj"
                "shared_up_proj", "shared_down_proj", "shared_expert_gate")  # fmt: skip
 
 
-def moe(p: dict, pre: str, h: torch.Tensor, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """``x + moe(h)`` for h, x (T, D), with routing on the GPU."""
+def moe(p: dict, pre: str, h: torch.Tensor, x: torch.Tensor, cfg: ModelConfig,
+        next_norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip  # noqa: E501
+    """``x + moe(h)`` for h, x (T, D), with routing on the GPU, and for several rows with
+    ``next_norm`` also its RMSNorm by that weight (the next layer's input), else None."""
     args = [p[pre + n] for n in MOE_WEIGHTS]
+    k = cfg.num_experts_per_tok
     if h.shape[0] == 1:
-        return moe_decode(h[0], *args, top_k=cfg.num_experts_per_tok, residual=x[0])[None]
-    return moe_prefill(h, *args, top_k=cfg.num_experts_per_tok, residual=x)
+        return moe_decode(h[0], *args, top_k=k, residual=x[0])[None], None
+    if next_norm is None:
+        return moe_prefill(h, *args, top_k=k, residual=x), None
+    return moe_prefill(h, *args, top_k=k, residual=x, norm_weight=next_norm,
+                       eps=cfg.rms_norm_eps)  # fmt: skip
 
 
 def fuse_rows(ws: list[Weight]) -> Weight | None:
@@ -255,9 +261,12 @@ class GpuRunner(Runner):
             # A one-token chunk takes the decode kernels, which read the position on device.
             start = to_device([start], torch.int32, self.dev)
         x = embed(ids, p["embed_tokens"], self.model.dtype)
+        h = None  # this layer's normed input, when the previous layer's MoE made it
+        last = len(cfg.layer_types) - 1
         for i, kind in enumerate(cfg.layer_types):
             pre = f"layers.{i}."
-            h = rmsnorm(x, p[pre + "input_norm"], eps)
+            if h is None:
+                h = rmsnorm(x, p[pre + "input_norm"], eps)
             parts = self._project_chunk(i, h, kind)
             if kind == "linear_attention":
                 d, st = pre + "dn.", state.deltanet[i]
@@ -285,7 +294,8 @@ class GpuRunner(Runner):
                     o = attention_prefill(qg, k, v, *norms, start, self.inv_freq, eps)
                 out_w = p[at + "o_proj"]
             x, h = residual_norm(o, out_w, x, p[pre + "post_norm"], eps)
-            x = moe(p, pre + "moe.", h, x, cfg)
+            nxt = p[f"layers.{i + 1}.input_norm"] if i < last else None
+            x, h = moe(p, pre + "moe.", h, x, cfg, nxt)
         h = rmsnorm(x[-1:], p["norm"], eps)
         return linear(h, p["lm_head"], out_dtype=torch.float32)[0]
 

@@ -221,6 +221,29 @@ def test_moe_prefill_matches_reference(poison, device, bits, gs, shared, block_m
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("atomic", [False, True], ids=["slots", "atomic"])
+def test_moe_prefill_with_the_next_norm(poison, device, atomic):
+    """With norm_weight the output is unchanged and the second result is its RMSNorm (the
+    next layer's input), against the reference norm of that output."""
+    w = make_moe(5, 4, 64, True, seed=7, device=device)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(11, D, generator=g).bfloat16().to(device)
+    res = torch.randn(11, D, generator=g).bfloat16().to(device)
+    nw = (1.0 + 0.3 * torch.randn(D, generator=g)).bfloat16().to(device)
+    cfg = MoePrefillConfig(16, GemmConfig(16, 32, 64), GemmConfig(16, 64, 64))
+    plain = moe_prefill(x, *w.values(), 2, res, atomic=atomic, config=cfg)
+    y, h = moe_prefill(x, *w.values(), 2, res, atomic=atomic, config=cfg, norm_weight=nw,
+                       eps=1e-5)  # fmt: skip
+    if not atomic:  # atomics add in a varying order: only the slot sum is bit-stable
+        assert torch.equal(y, plain)
+    assert moe_err(y, w, x, 2, res) < 2e-2
+    assert h.shape == y.shape and h.dtype == y.dtype
+    assert rel_err(h.float(), rms_norm(y, nw, 1e-5).float()) < 4e-3
+    with pytest.raises(ValueError, match="norm_weight"):
+        moe_prefill(x, *w.values(), 2, res, config=cfg, norm_weight=nw[:-1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_moe_prefill_skewed_routing_and_empty_experts(poison, device):
     """Every token picks experts 0 and 1: 37 rows each (three 16-row tiles, one partial),
     experts 2..4 get no rows, and most of the worst-case block map stays empty."""
