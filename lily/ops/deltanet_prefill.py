@@ -3,7 +3,8 @@
 Three stages, each a kernel:
 1. ``_prep_kernel``: causal depthwise conv over the chunk (the carried conv state supplies
    the first W-1 taps) + SiLU, L2 norm of q and k per head (q also scaled by 1/sqrt(K)), the
-   gates g and beta; writes y (T, C) = q|k|v in the compute dtype and the new conv state.
+   gates g and beta; writes y (T, C) = q|k|v in the compute dtype, the new conv state and
+   the conv state at the last snapshot cut, if any.
 2. the gated delta rule over the T tokens (deltanet_recurrence.py), in one of these forms
    with the same result:
    - ``method="scan"``: token by token; each program keeps a (K, BV) column block of one
@@ -20,7 +21,9 @@ Three stages, each a kernel:
      computes every chunk's outputs in parallel, gated norm fused.
 3. the gated RMSNorm, fused into the scan when one program covers a whole head (BV >= Vd),
    else a separate small kernel.
-The state (Hv, K, Vd) fp32 and the conv state (W-1, C) are updated in place.
+The state (Hv, K, Vd) fp32 and the conv state (W-1, C) are updated in place. Snapshot cuts
+(prefix cache): "chunk" stores the state at the last cut from inside its two recurrence
+kernels (deltanet_recurrence.py); other cuts split the recurrence into pieces.
 """
 
 from __future__ import annotations
@@ -39,13 +42,28 @@ from lily.ops.norm_rope import gated_rmsnorm, silu
 Tensor = torch.Tensor
 
 
-@launched
 @triton.jit
+def _conv_state_after(x, conv_state, n, stride_x, ch, m_c, C: tl.constexpr, W: tl.constexpr,
+                      WP: tl.constexpr):  # fmt: skip
+    """The conv state after the first ``n`` tokens: rows n .. n+W-2 of cat(old state, x)."""
+    o_w = tl.arange(0, WP)
+    src = n + o_w
+    m_w = o_w < W - 1
+    m_nx = (m_w & (src >= W - 1))[:, None] & m_c[None, :]
+    m_ns = (m_w & (src < W - 1))[:, None] & m_c[None, :]
+    p_n = x + (src - (W - 1))[:, None] * stride_x + ch[None, :]
+    b_n = tl.load(p_n, mask=m_nx, other=0.0).to(tl.float32)
+    b_n += tl.load(conv_state + src[:, None] * C + ch[None, :], mask=m_ns, other=0.0).to(tl.float32)
+    return b_n
+
+
+@launched
+@triton.jit(do_not_specialize=["cut"])
 def _prep_kernel(
-    x, conv_w, conv_state, b, a, A_log, dt_bias, y, g, beta, T, stride_x, stride_b, stride_a,
-    q_scale, HK: tl.constexpr,
+    x, conv_w, conv_state, conv_snap, b, a, A_log, dt_bias, y, g, beta, T, cut, stride_x,
+    stride_b, stride_a, q_scale, HK: tl.constexpr,
     HV: tl.constexpr, K: tl.constexpr, VD: tl.constexpr, W: tl.constexpr, BT: tl.constexpr,
-    BC: tl.constexpr, WP: tl.constexpr,
+    BC: tl.constexpr, WP: tl.constexpr, HAS_CUT: tl.constexpr,
 ):  # fmt: skip
     i_t, i_g = tl.program_id(0), tl.program_id(1)
     C: tl.constexpr = 2 * HK * K + HV * VD
@@ -94,21 +112,14 @@ def _prep_kernel(
         # NOTE: only this program reads the old conv state of these channels (BT >= W-1),
         # so it alone may overwrite it, once all its threads are done reading.
         o_w = tl.arange(0, WP)
-        src = T + o_w  # row of cat(old state, x) that becomes new row o_w
-        m_w = o_w < W - 1
-        m_nx = (m_w & (src >= W - 1))[:, None] & m_c[None, :]
-        m_ns = (m_w & (src < W - 1))[:, None] & m_c[None, :]
-        p_n = x + (src - (W - 1))[:, None] * stride_x + ch[None, :]
-        b_n = tl.load(p_n, mask=m_nx, other=0.0).to(tl.float32)
-        b_n += tl.load(conv_state + src[:, None] * C + ch[None, :], mask=m_ns, other=0.0).to(
-            tl.float32
-        )
+        p_w = o_w[:, None] * C + ch[None, :]
+        m_wc = (o_w < W - 1)[:, None] & m_c[None, :]
+        b_n = _conv_state_after(x, conv_state, T, stride_x, ch, m_c, C, W, WP)
+        if HAS_CUT:  # the snapshot at the cut, from this launch (no copy kernel of its own)
+            b_s = _conv_state_after(x, conv_state, cut, stride_x, ch, m_c, C, W, WP)
+            tl.store(conv_snap + p_w, b_s.to(conv_snap.dtype.element_ty), mask=m_wc)
         tl.debug_barrier()
-        tl.store(
-            conv_state + o_w[:, None] * C + ch[None, :],
-            b_n.to(conv_state.dtype.element_ty),
-            mask=m_w[:, None] & m_c[None, :],
-        )
+        tl.store(conv_state + p_w, b_n.to(conv_state.dtype.element_ty), mask=m_wc)
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -146,8 +157,10 @@ def deltanet_prefill(
     by token). Returns (T, Hv*Vd) in mixed_qkv's dtype.
 
     ``cuts``: increasing offsets in (0, T); the states after the first ``cut`` tokens are
-    appended to ``snaps`` as (conv_state, state) copies (prefix-cache snapshots). Only the
-    recurrence runs piece by piece; the conv, the gates and the norm still run once.
+    appended to ``snaps`` as (conv_state, state) copies (prefix-cache snapshots). The conv,
+    the gates and the norm still run once. "chunk" stores the state at the last cut from
+    inside its kernels (one recurrence launch pair with one cut); any earlier cut, and
+    every cut of the other methods, splits the recurrence into pieces there.
     """
     _check(
         method in ("chunk", "chunk_par", "scan"),
@@ -213,8 +226,11 @@ def deltanet_prefill(
     )  # fmt: skip
     # The conv state at each cut, before the prep kernel overwrites the old one: the last
     # W-1 inputs before the cut, from the old state where the cut is that close to the start.
+    # The prep kernel writes the last cut's (the usual single cut: no copy launch of its own).
     conv_cuts = [torch.cat([conv_state[c:], mixed_qkv[max(0, c - conv_state.shape[0]) : c]])
-                 for c in cuts]  # fmt: skip
+                 for c in cuts[:-1]]  # fmt: skip
+    if cuts:
+        conv_cuts.append(torch.empty(conv_state.shape, dtype=conv_state.dtype, device=dev))
 
     # 1. conv + norms + gates
     bt_prep = 32
@@ -223,9 +239,10 @@ def deltanet_prefill(
     g, beta = (torch.empty(t, hv, dtype=torch.float32, device=dev) for _ in range(2))
     wp = pow2(max(width - 1, 1))
     _prep_kernel[(cdiv(t, bt_prep), 2 * hk + hv)](
-        mixed_qkv, conv_weight, conv_state, b, a, A_log, dt_bias, y, g, beta, t,
-        mixed_qkv.stride(0), b.stride(0), a.stride(0), kd**-0.5,
-        HK=hk, HV=hv, K=kd, VD=vd, W=width, BT=bt_prep, BC=max(bk, bvd), WP=wp, num_warps=4,
+        mixed_qkv, conv_weight, conv_state, conv_cuts[-1] if cuts else conv_state, b, a, A_log,
+        dt_bias, y, g, beta, t, cuts[-1] if cuts else 0, mixed_qkv.stride(0), b.stride(0),
+        a.stride(0), kd**-0.5, HK=hk, HV=hv, K=kd, VD=vd, W=width, BT=bt_prep, BC=max(bk, bvd),
+        WP=wp, HAS_CUT=bool(cuts), num_warps=4,
     )  # fmt: skip
     dims = {"HK": hk, "HV": hv, "K": kd, "VD": vd, "BK": bk}
 
@@ -246,16 +263,24 @@ def deltanet_prefill(
     if method != "scan":
         w = torch.empty(t, hv, kd, dtype=out_dtype, device=dev)
         u = torch.empty(t, hv, vd, dtype=out_dtype, device=dev)
-    bounds = [0, *cuts, t]
+    # "chunk" stores the state at the last cut from inside its kernels (the usual single cut
+    # of a reused turn costs no extra launch); the pieces split at the other cuts.
+    inner = list(cuts[-1:]) if method == "chunk" else []
+    bounds = [0, *cuts[: len(cuts) - len(inner)], t]
     for i, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False)):
         if i:  # the state after the first ``lo`` tokens
             snaps.append((conv_cuts[i - 1], state.clone()))
         rows = slice(lo, hi)
+        snap, cut = None, 0
+        if inner and hi == t:  # a fresh tensor: the snapshot outlives this call
+            snap, cut = torch.empty(state.shape, dtype=torch.float32, device=dev), inner[0] - lo
         recurrence(
             y[rows], g[rows], beta[rows], z[rows], norm_weight, state, o_buf[rows],
             None if w is None else w[rows], None if u is None else u[rows], eps, method,
-            chunk_size, bv, nv, fuse, num_warps, dims,
+            chunk_size, bv, nv, fuse, num_warps, dims, cut=cut, snap=snap,
         )  # fmt: skip
+        if snap is not None:
+            snaps.append((conv_cuts[-1], snap))
     return (
         o_buf
         if fuse or method == "chunk_par"

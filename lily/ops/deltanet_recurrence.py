@@ -4,7 +4,9 @@ the token-by-token scan and the two chunked (matrix) forms, with their launcher.
 Inputs come from the prep kernel: y (T, C) = q|k|v after the conv, L2-normed q and k, the
 gates g and beta (T, Hv) fp32. The state (Hv, K, Vd) fp32 is updated in place; outputs go
 to o_buf (normed when one program covers a whole head). See deltanet_prefill.py for the
-maths of each form.
+maths of each form. The "chunk" form can also store the state after the first ``cut`` tokens
+(a prefix-cache snapshot) from the same two launches, by shifting its chunk grid so that a
+chunk ends at the cut.
 """
 
 from __future__ import annotations
@@ -59,22 +61,29 @@ def _scan_kernel(
 
 
 @launched
-@triton.jit
+@triton.jit(do_not_specialize=["shift"])
 def _chunk_wy_kernel(
-    y, g, beta, w, u, T, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, VD: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BVD: tl.constexpr, NSQ: tl.constexpr,
+    y, g, beta, w, u, T, shift, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+    VD: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BVD: tl.constexpr, NSQ: tl.constexpr,
+    HAS_CUT: tl.constexpr,
 ):  # fmt: skip
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     C: tl.constexpr = 2 * HK * K + HV * VD
     i_kh = i_h // (HV // HK)
     o_i = tl.arange(0, BT)
     o_t = i_c * BT + o_i
-    m_t = o_t < T
+    if HAS_CUT:  # the grid starts ``shift`` rows before the first token (see recurrence)
+        o_t -= shift
+        m_t = (o_t >= 0) & (o_t < T)
+    else:
+        m_t = o_t < T
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_v = tl.arange(0, BVD)
     m_v = o_v < VD
-    # padded rows get g = 0 and beta = 0: they change nothing
+    # padded rows (after the last token, or before the first with a shift) get g = 0,
+    # beta = 0 and k = v = 0: their rows and columns of A are 0, so are their w and u, and
+    # the real rows' cumulative gates are those of a chunk starting at the first real row
     b_gc = tl.cumsum(tl.load(g + o_t * HV + i_h, mask=m_t, other=0.0), 0)
     b_b = tl.load(beta + o_t * HV + i_h, mask=m_t, other=0.0)
     b_k = tl.load(
@@ -137,12 +146,15 @@ def _chunk_wy_kernel(
 
 
 @launched
-@triton.jit
+@triton.jit(do_not_specialize=["shift", "cut_chunk"])
 def _chunk_scan_kernel(
-    y, g, w, u, state, z, norm_w, o_buf, T, stride_z, eps, HK: tl.constexpr, HV: tl.constexpr,
-    K: tl.constexpr, VD: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    FUSE_NORM: tl.constexpr,
+    y, g, w, u, state, snap, z, norm_w, o_buf, T, shift, cut_chunk, stride_z, eps,
+    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, VD: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, FUSE_NORM: tl.constexpr, HAS_CUT: tl.constexpr,
 ):  # fmt: skip
+    """HAS_CUT: chunk i_c covers rows i_c*BT - shift ..., so chunk ``cut_chunk`` ends at the
+    cut, and the state after it goes to ``snap`` (fp32, the layout of ``state``); the rows
+    before the first token are padding, as those after the last (see _chunk_wy_kernel)."""
     i_v, i_h = tl.program_id(0), tl.program_id(1)
     C: tl.constexpr = 2 * HK * K + HV * VD
     i_kh = i_h // (HV // HK)
@@ -158,9 +170,17 @@ def _chunk_scan_kernel(
     dt = y.dtype.element_ty
     if FUSE_NORM:
         b_nw = tl.load(norm_w + o_v, mask=m_v, other=0.0).to(tl.float32)
-    for i_c in range(tl.cdiv(T, BT)):
+    if HAS_CUT:
+        n_c = tl.cdiv(T + shift, BT)
+    else:
+        n_c = tl.cdiv(T, BT)
+    for i_c in range(n_c):
         o_t = i_c * BT + o_i
-        m_t = o_t < T
+        if HAS_CUT:
+            o_t -= shift
+            m_t = (o_t >= 0) & (o_t < T)
+        else:
+            m_t = o_t < T
         m_tk = m_t[:, None] & m_k[None, :]
         b_gc = tl.cumsum(tl.load(g + o_t * HV + i_h, mask=m_t, other=0.0), 0)
         b_gl = tl.sum(tl.where(o_i == BT - 1, b_gc, 0.0))  # padded rows add 0: the last real
@@ -192,6 +212,11 @@ def _chunk_scan_kernel(
         tl.store(o_buf + off, b_o.to(o_buf.dtype.element_ty), mask=m_tv)
         b_vd = (b_vn * tl.exp(b_gl - b_gc)[:, None]).to(dt)
         b_S = b_S * tl.exp(b_gl) + tl.dot(tl.trans(b_k), b_vd)
+        if HAS_CUT:
+            # the state after the first ``cut`` tokens; its pointers are built here, not kept
+            # from p_s: holding them across the loop cost registers (mixer_kernels.md)
+            if i_c == cut_chunk:
+                tl.store(snap + i_h * K * VD + o_k[:, None] * VD + o_v[None, :], b_S, mask=m_s)
     tl.store(p_s, b_S, mask=m_s)
 
 
@@ -276,25 +301,43 @@ def _chunk_out_kernel(
 
 
 def recurrence(y, g, beta, z, norm_weight, state, o_buf, w, u, eps, method, chunk_size, bv,
-                nv, fuse, num_warps, dims) -> None:  # fmt: skip
-    """The state walk over T prepared tokens (one piece of a chunk), writing o_buf."""
+                nv, fuse, num_warps, dims, cut=0, snap=None) -> None:  # fmt: skip
+    """The state walk over T prepared tokens (one piece of a chunk), writing o_buf. With
+    ``snap`` (an fp32 tensor shaped like ``state``; method "chunk" only), the state after the
+    first ``cut`` tokens (0 < cut < T) is stored there by the same launches."""
     t, hv = g.shape
     bk, bvd, kd = dims["BK"], pow2(dims["VD"]), dims["K"]
+    has_cut = snap is not None
+    if has_cut and not (method == "chunk" and 0 < cut < t and snap.shape == state.shape
+                        and snap.dtype == torch.float32 and snap.is_contiguous()):  # fmt: skip
+        raise ValueError(
+            f"recurrence: an in-kernel cut needs method 'chunk', 0 < cut < {t} and a "
+            f"contiguous fp32 snap shaped like the state, got {method!r}, cut {cut}"
+        )
     if method == "scan":
         _scan_kernel[(nv, hv)](
             y, g, beta, state, z, norm_weight, o_buf, t, z.stride(0), eps, BV=bv, FUSE_NORM=fuse,
             num_warps=num_warps or 4, **dims,
         )  # fmt: skip
         return
-    nt = cdiv(t, chunk_size)
+    # One wy and one scan launch even with a cut: the chunk grid starts ``shift`` padding rows
+    # before the first token so that a chunk ends on the cut (the chunked form is exact, only
+    # its boundaries move). Splitting the walk there cost two more launches and a state copy
+    # per layer, and the host, not the GPU, paced a reused turn. shift and cut_chunk are
+    # runtime ints (not specialized): a new cut needs no compile.
+    shift = (-cut) % chunk_size if has_cut else 0
+    nt = cdiv(t + shift, chunk_size)
     nsq = max(0, (chunk_size // 16).bit_length() - 2)  # squarings until M^(BT/16) = 0
     _chunk_wy_kernel[(nt, hv)](
-        y, g, beta, w, u, t, BT=chunk_size, BVD=bvd, NSQ=nsq, num_warps=4, **dims
+        y, g, beta, w, u, t, shift, BT=chunk_size, BVD=bvd, NSQ=nsq, HAS_CUT=has_cut,
+        num_warps=4, **dims,
     )  # fmt: skip
     if method == "chunk":
+        cut_chunk = (cut + shift) // chunk_size - 1 if has_cut else -1
         _chunk_scan_kernel[(nv, hv)](
-            y, g, w, u, state, z, norm_weight, o_buf, t, z.stride(0), eps, BT=chunk_size, BV=bv,
-            FUSE_NORM=fuse, num_warps=num_warps or (8 if bv * bk >= 128 * 128 else 4),
+            y, g, w, u, state, snap if has_cut else state, z, norm_weight, o_buf, t, shift,
+            cut_chunk, z.stride(0), eps, BT=chunk_size, BV=bv, FUSE_NORM=fuse, HAS_CUT=has_cut,
+            num_warps=num_warps or (8 if bv * bk >= 128 * 128 else 4),
             num_stages=2, **dims,  # 2 stages prefetch the next chunk; 3 only cost memory
         )  # fmt: skip
         return

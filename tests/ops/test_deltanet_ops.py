@@ -358,6 +358,101 @@ def test_prefill_cuts_give_the_states_at_the_cuts(device, method, cuts):
     assert max(errs) < DOT_F32_TOL, errs
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "cuts,chunk_size,block_v,dtype",
+    [
+        ((21,), 16, 16, torch.float32),  # shift 11: the grid's 2nd chunk ends at the cut
+        ((16,), 16, 16, torch.float32),  # a multiple of the chunk: no shift
+        ((1,), 16, 16, torch.float32),  # shift 15: the first chunk holds one token
+        ((36,), 16, 64, torch.float32),  # T-1: the last chunk holds one token; norm fused
+        ((35,), 64, 16, torch.float32),  # 29 padding rows span a whole 16-row block
+        ((20, 35), 16, 16, torch.float32),  # split at 20; 35 in-kernel, 15 into its piece
+        ((5, 21), 16, 64, torch.float32),  # split at 5; 21 in-kernel, 16 into it: no shift
+        ((23,), 64, 64, torch.bfloat16),  # the real dtype and chunk size, norm fused
+    ],
+    ids=["21", "16", "1", "T-1", "35-c64", "20-35", "5-21", "23-c64-bf16"],
+)
+def test_prefill_chunk_cut_in_kernel(device, cuts, chunk_size, block_v, dtype):
+    """method="chunk" takes the last cut inside its kernels by shifting its chunk grid: the
+    outputs and final state equal a call without cuts (to rounding: chunk boundaries move),
+    the state at each cut equals the fp32 reference over the tokens before it, and the
+    snapshots are fresh tensors."""
+    d = make_inputs(37, dtype=dtype, device=device, seed=10)
+    # slow decays (about e^-0.1 a token): with make_inputs' e^-1 the state forgets within a
+    # few tokens, and w, u of a wrongly placed chunk boundary passed (tried)
+    d["A_log"] = d["A_log"] - 2.5
+    snaps: list = []
+    kw = {"chunk_size": chunk_size, "block_v": block_v}
+    out, cs, st = run_prefill(d, "chunk", cuts=cuts, snaps=snaps, **kw)
+    plain, plain_cs, plain_st = run_prefill(d, "chunk", **kw)
+    # fp32: rounding only; bf16: the usual bounds against fp32 (module docstring), and
+    # moved chunk boundaries change where w, u and S are rounded to bf16
+    out_tol, st_tol = (DOT_F32_TOL, DOT_F32_TOL) if dtype == torch.float32 else (1.5e-2, 2e-2)
+    assert rel(out, plain) < out_tol and rel(st, plain_st) < st_tol
+    assert torch.equal(cs, plain_cs) and len(snaps) == len(cuts)
+    for c, (conv, rec) in zip(cuts, snaps, strict=True):
+        head = {k: (v[:c] if k in ("mixed_qkv", "z", "b", "a") else v) for k, v in d.items()}
+        _, ref_cs, ref_st = reference(head)
+        assert torch.equal(conv.cpu().float(), ref_cs.to(dtype).float())
+        assert rec.dtype == torch.float32 and rec.shape == st.shape
+        assert rec.data_ptr() != st.data_ptr()
+        assert rel(rec, ref_st) < st_tol, c
+
+
+@pytest.mark.parametrize("cuts", [(21,), (1,), (20, 35)], ids=["21", "1", "20-35"])
+def test_prefill_chunk_cut_guarded(monkeypatch, cuts):
+    """The shifted grid's padding rows before the first token are masked: with every tensor
+    inside NaN guard bands (test_guard_bands.check_op) the call with cuts reads and writes
+    nothing outside its tensors, snapshots included."""
+    try:  # imported here: test_guard_bands imports this module
+        from . import test_guard_bands as gb
+    except ImportError:
+        import test_guard_bands as gb
+
+    def call(a):
+        snaps: list = []
+        args = [a[n] for n in gb.DN_ARGS]
+        out = OPS["dn_prefill"].deltanet_prefill(
+            *args, 1e-6, method="chunk", chunk_size=16, cuts=cuts, snaps=snaps
+        )
+        return (out, *(x for snap in snaps for x in snap))
+
+    d = make_inputs(37, seed=12)
+    gb.check_op(monkeypatch, call, d, inplace=("conv_state", "state"))
+
+
+@pytest.mark.parametrize(
+    "method,cuts,launches",
+    [
+        ("chunk", (), {"wy": 1, "scan": 1}),
+        ("chunk", (30,), {"wy": 1, "scan": 1}),  # the reused turn's case: no extra launch
+        ("chunk", (9, 30), {"wy": 2, "scan": 2}),  # one split, the last cut in-kernel
+        ("chunk_par", (30,), {"wy": 2, "state": 2, "out": 2}),  # piece by piece, unchanged
+    ],
+    ids=["chunk-none", "chunk-1", "chunk-2", "par-1"],
+)
+def test_prefill_cut_launches(monkeypatch, method, cuts, launches):
+    """The recurrence's kernel launches per layer: one cut costs "chunk" none more."""
+    from lily.ops import deltanet_recurrence as rec
+
+    counts: dict = {}
+    names = {"token_scan": "_scan_kernel", "wy": "_chunk_wy_kernel", "scan": "_chunk_scan_kernel",
+             "state": "_chunk_state_kernel", "out": "_chunk_out_kernel"}  # fmt: skip
+    for key, name in names.items():
+        kernel = getattr(rec, name)
+
+        def counted(grid, args, kwargs, kernel=kernel, key=key):
+            counts[key] = counts.get(key, 0) + 1
+            return type(kernel).launch(kernel, grid, args, kwargs)
+
+        monkeypatch.setattr(kernel, "launch", counted)
+    d = make_inputs(33, dtype=torch.float32, device="cpu", seed=11)
+    snaps: list = []
+    run_prefill(d, method, chunk_size=16, block_v=64, cuts=cuts, snaps=snaps)
+    assert counts == launches and len(snaps) == len(cuts)
+
+
 def test_prefill_rejects_bad_cuts():
     d = make_inputs(5, dtype=torch.float32, device="cpu")
     for cuts in ((0,), (5,), (3, 2), (2, 2)):
