@@ -447,7 +447,7 @@ def test_prefill_cut_launches(monkeypatch, method, cuts, launches):
             return type(kernel).launch(kernel, grid, args, kwargs)
 
         monkeypatch.setattr(kernel, "launch", counted)
-    d = make_inputs(33, dtype=torch.float32, device="cpu", seed=11)
+    d = make_inputs(33, dtype=torch.float32, seed=11)  # on the GPU where there is one
     snaps: list = []
     run_prefill(d, method, chunk_size=16, block_v=64, cuts=cuts, snaps=snaps)
     assert counts == launches and len(snaps) == len(cuts)
