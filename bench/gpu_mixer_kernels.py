@@ -455,6 +455,8 @@ SECTIONS = {
     "attn_split": ["T", "start", "block_m", "split", "picked", "ms", "TFLOPs", "rel_err"],
     "attn_tiles": ["block_m", "block_n", "num_warps", "num_stages", "split", "picked", "ms",
                    "TFLOPs", "rel_err"],
+    "attn_tiles_all": ["T", "start", "block_m", "block_n", "num_warps", "split", "picked", "ms",
+                       "TFLOPs", "rel_err"],
 }  # fmt: skip
 
 
@@ -518,6 +520,9 @@ def main() -> None:
         # the reused turn's shape only, more tiles and pipeline depths
         "attn_tiles": lambda: attn_split(gen, ceil["bf16_matmul_TFLOPs"], ((1128, 16080),),
                                          ATTN_TILE_CONFIGS, (1, 4, 8)),
+        # the table's tile against 128 x 64 (8 warps) on every split shape, at the rule's S
+        "attn_tiles_all": lambda: attn_split(gen, ceil["bf16_matmul_TFLOPs"],
+                                             ATTN_SPLIT_SHAPES, ATTN_TILE_CONFIGS[::5], (1,)),
     }
     tables = [head]
     for name in names:

@@ -17,12 +17,14 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import lily.ops.launch as launch_mod
 import lily.runtime.engine as engine_mod
 import lily.runtime.gpu_runner as runner_mod
 from bench.full_model import full_params, kernel_engine, write_json
 from bench.multiturn import filler, ttft
 from lily.ops.launch import Launched
 from lily.runtime.sampling import SamplingParams
+from lily.runtime.state import SessionState
 
 
 def first_token(engine, ids: list[int]) -> float:
@@ -84,6 +86,10 @@ def host_probe(eng) -> tuple[list, callable]:
     wrap(runner_mod, "to_device", "to_device")
     wrap(runner_mod, "embedding", "embedding")
     wrap(engine_mod.PrefixCache, "snapshot_points", "snapshot_points")
+    wrap(engine_mod.PrefixCache, "resume_point", "resume_point")
+    wrap(SessionState, "restore", "restore")
+    wrap(launch_mod.array, "array", "array")
+    wrap(torch.Tensor, "pin_memory", "pin_memory")
     return marks, lambda: [u() for u in reversed(undo)]
 
 
