@@ -518,11 +518,13 @@ def main() -> None:
         "attn_prefill": lambda: attn_prefill(gen, ceil["bf16_matmul_TFLOPs"]),
         "attn_split": lambda: attn_split(gen, ceil["bf16_matmul_TFLOPs"]),
         # the reused turn's shape only, more tiles and pipeline depths
-        "attn_tiles": lambda: attn_split(gen, ceil["bf16_matmul_TFLOPs"], ((1128, 16080),),
-                                         ATTN_TILE_CONFIGS, (1, 4, 8)),
+        "attn_tiles": lambda: attn_split(
+            gen, ceil["bf16_matmul_TFLOPs"], ((1128, 16080),), ATTN_TILE_CONFIGS, (1, 4, 8)
+        ),
         # the table's tile against 128 x 64 (8 warps) on every split shape, at the rule's S
-        "attn_tiles_all": lambda: attn_split(gen, ceil["bf16_matmul_TFLOPs"],
-                                             ATTN_SPLIT_SHAPES, ATTN_TILE_CONFIGS[::5], (1,)),
+        "attn_tiles_all": lambda: attn_split(
+            gen, ceil["bf16_matmul_TFLOPs"], ATTN_SPLIT_SHAPES, ATTN_TILE_CONFIGS[::5], (1,)
+        ),
     }
     tables = [head]
     for name in names:

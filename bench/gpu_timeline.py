@@ -70,7 +70,8 @@ def host_probe(eng) -> tuple[list, callable]:
             marks.append((now(), label + "<"))
             return out
 
-        setattr(obj, name, inner)
+        # a staticmethod must stay one (an instance's call would pass itself)
+        setattr(obj, name, staticmethod(inner) if isinstance(raw, staticmethod) else inner)
         undo.append(lambda: setattr(obj, name, raw))
 
     launch = Launched.launch
