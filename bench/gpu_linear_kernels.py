@@ -6,8 +6,9 @@ Run from the repository root on the GPU machine (about 4-5 minutes, most of it c
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 bench/gpu_linear_kernels.py --quick \
         --out $OUT/linear.json
 
-Without a GPU, ``--compile-only`` compiles the same configurations for sm_90 and prints
-registers, spilled stack bytes, shared memory and warpgroup MMA count per kernel.
+Without a GPU, ``--compile-only`` compiles the same configurations (of the ``--only``
+sections) for sm_90 and prints registers, spilled stack bytes, shared memory, warpgroup and
+warp MMA counts and the SASS instruction count per kernel (per 4-bit code for qgemv_mma).
 
 Order: the ceilings (device-to-device copy, read-only sum, bf16 matmul), then at the real
 shapes (D=2048, MLX 4-bit group 64, 8-bit routers) every op is checked against the fp32
@@ -26,7 +27,10 @@ reference in lily.ops.ref_linear on fresh random inputs and timed:
 4. moe_prefill at T = 256, 512, 2048, 8192, uniform and skewed routing (4 hot experts), the
    token tile swept: TFLOP/s, the expert-load histogram, graph against eager time (host
    overhead) and device time per launch at 256 and 4096 tokens; a stress row: chunks of
-   4096 with NaN tokens and skew in a row (the 32K prefill's illegal memory access).
+   4096 with NaN tokens and skew in a row (the 32K prefill's illegal memory access);
+5. ``gemv_mma`` (not in the default ``--only``): the tensor-core GEMV qgemv_mma next to
+   qgemv on the decode shapes (plain, fused norm, residual, lm_head with fp32 out), both
+   with and without PDL, in CUDA graphs as in 1., plus qgemv_mma tile variants.
 ``do_bench`` medians flush L2 between runs. A configuration that fails is a row with its
 error. Prints compact tables (again all together at the end); the JSON holds every number.
 """
@@ -53,6 +57,7 @@ from lily.ops.moe_decode import MoeDecodeConfig, moe_decode
 from lily.ops.moe_prefill import MoePrefillConfig, moe_prefill, moe_prefill_config
 from lily.ops.qgemm import GemmConfig, gemm_config, qgemm
 from lily.ops.qgemv import GemvConfig, gemv_config, qgemv
+from lily.ops.qgemv_mma import MmaGemvConfig, mma_gemv_config, qgemv_mma
 from lily.ops.ref_linear import ref_moe, ref_qlinear, ref_route
 from lily.ops.rmsnorm import add_rmsnorm, rmsnorm
 from lily.quant import QuantWeight, dequantize, quantize
@@ -99,6 +104,20 @@ DECODE_CFGS = [  # moe_decode variants (None: the table)
 ]  # fmt: skip
 CHAIN_LAYERS = 8
 CHAIN_PROJ, CHAIN_O = 12352, 4096  # fused DeltaNet projection rows, mixer output width
+# Tensor-core GEMV rows (name, N, K, prologue/epilogue): qgemv_mma next to qgemv.
+MMA_SHAPES = [
+    ("in_proj_qkv/q_proj", 8192, 2048, ""), ("in_proj_z", 4096, 2048, ""),
+    ("dn qkv|z|b|a", 12352, 2048, "norm"), ("attn q|k|v", 9216, 2048, "norm"),
+    ("o_proj/out_proj", 2048, 4096, "res"), ("lm_head", 248320, 2048, "norm fp32"),
+]  # fmt: skip
+MMA_SWEEP = {  # qgemv_mma tiles besides the table (rows x warps, register cap); not --quick
+    "in_proj_qkv/q_proj": [MmaGemvConfig(16, 8), MmaGemvConfig(32, 8), MmaGemvConfig(32, 4),
+                           MmaGemvConfig(64, 16)],
+    "dn qkv|z|b|a": [MmaGemvConfig(32, 8), MmaGemvConfig(16, 4), MmaGemvConfig(32, 4),
+                     MmaGemvConfig(64, 4)],
+    "o_proj/out_proj": [MmaGemvConfig(16, 8), MmaGemvConfig(32, 16)],
+    "lm_head": [MmaGemvConfig(64, 8), MmaGemvConfig(16, 4), MmaGemvConfig(32, 4)],
+}  # fmt: skip
 STRESS_T = (4096, 4096, 1000)  # prefill chunks in a row for the stress row
 ERR_CHARS = 200  # of a compile error in the --compile-only table
 
@@ -138,6 +157,8 @@ def cfg_str(cfg) -> str:
     if isinstance(cfg, MoeDecodeConfig):
         return (f"r{cfg.router_rows} s{cfg.shared_rows} gu{cfg.gate_up_rows} "
                 f"dn{cfg.down_rows} w{cfg.num_warps}/{cfg.down_warps}")  # fmt: skip
+    if isinstance(cfg, MmaGemvConfig):
+        return f"n{cfg.block_n} w{cfg.num_warps}" + (f" r{cfg.maxnreg}" if cfg.maxnreg else "")
     if isinstance(cfg, MoePrefillConfig):
         return f"m{cfg.block_m} gu[{cfg_str(cfg.gate_up)}] dn[{cfg_str(cfg.down)}]"
     return str(cfg)
@@ -258,6 +279,61 @@ def fused_rows(ceil: dict, gen: torch.Generator) -> list[dict]:
             base = {"op": "rmsnorm", "shape": f"({t}, {D})", "T": t, "config": label}
             want = ref if "no add" not in label else rms_norm(x, nw, EPS)
             attempt(rows, base, partial(rows_point, fn, want, 6 * t * D))
+    return rows
+
+
+def gemv_mma_rows(ceil: dict, gen: torch.Generator) -> list[dict]:
+    """qgemv_mma (tensor cores) against qgemv (FMA) on the decode shapes, table tiles with
+    and without PDL, then qgemv_mma tile variants; every row checked against the fp32
+    reference first. In a graph of PDL calls each kernel overlaps its predecessor's tail,
+    which is what the decode step sees."""
+    rows: list[dict] = []
+    nw = norm_weight(gen)
+    for name, n, k, extra in MMA_SHAPES:
+        ws = weight_copies(n, k, 4, gen)
+        scale = 2.0 if "norm" in extra else 1.0
+        xs = [(scale * torch.randn(k, generator=gen, device=DEV)).to(BF16) for _ in ws]
+        rs = [torch.randn(n, generator=gen, device=DEV).to(BF16) for _ in ws]
+        kw: dict = {}
+        if "norm" in extra:
+            kw.update(norm_weight=nw, eps=EPS)
+        if "fp32" in extra:
+            kw["out_dtype"] = torch.float32
+        res = "res" in extra
+        x0 = rms_norm(xs[0], nw, EPS) if "norm" in extra else xs[0]
+        ref = ref_qlinear(x0, ws[0], rs[0] if res else None)
+        out_bytes = 4 if "fp32" in extra else 2
+        nbytes = ws[0].nbytes() + 2 * k * (1 + ("norm" in extra)) + n * (out_bytes + 2 * res)
+        floor_us = nbytes / ceil["copy_GBps"] / 1e3
+        variants = [
+            ("qgemv", qgemv, None, False),
+            ("qgemv", qgemv, None, True),
+            ("qgemv_mma", qgemv_mma, None, False),
+            ("qgemv_mma", qgemv_mma, None, True),
+        ]
+        variants += [("qgemv_mma", qgemv_mma, c, False) for c in MMA_SWEEP.get(name, [])]
+        for op, fn, cfg, pdl in variants:
+            used = cfg or (
+                mma_gemv_config(n, k, 64) if fn is qgemv_mma else gemv_config(n, k, 1, 4, 64)
+            )
+            base = {
+                "op": op,
+                "shape": name + (f" +{extra}" if extra else ""),
+                "N": n,
+                "K": k,
+                "bits": 4,
+                "T": 1,
+                "config": "table " * (cfg is None) + cfg_str(used) + " pdl" * pdl,
+            }
+            ckw = {**kw, "pdl": pdl} | ({"config": cfg} if cfg is not None else {})
+
+            def call(x, w, r, fn=fn, ckw=ckw, res=res):
+                return fn(x, w, residual=r if res else None, **ckw)
+
+            calls = [partial(call, x, w, r) for w, x, r in zip(ws, xs, rs, strict=True)]
+            check = partial(call, xs[0], ws[0], rs[0])
+            attempt(rows, base, partial(gemv_point, calls, check, ref, nbytes, floor_us))
+        del ws
     return rows
 
 
@@ -525,18 +601,20 @@ def pdl_forced():
     """PDL switched on for CPU tensors (compile-only: the launches are intercepted)."""
     import lily.ops.moe_decode as md
     import lily.ops.qgemv as qg
+    import lily.ops.qgemv_mma as qm
 
-    saved = md.use_pdl, qg.use_pdl
-    md.use_pdl = qg.use_pdl = lambda pdl, device: pdl
+    saved = md.use_pdl, qg.use_pdl, qm.use_pdl
+    md.use_pdl = qg.use_pdl = qm.use_pdl = lambda pdl, device: pdl
     try:
         yield
     finally:
-        md.use_pdl, qg.use_pdl = saved
+        md.use_pdl, qg.use_pdl, qm.use_pdl = saved
 
 
-def compile_report() -> list[dict]:
-    """No GPU: compile every configuration the bench times for sm_90 and read what ptxas
-    gave each kernel (registers, stack bytes = spills, warpgroup MMAs in the SASS).
+def compile_report(only: set[str]) -> list[dict]:
+    """No GPU: compile every configuration the bench times (in the sections of ``only``)
+    for sm_90 and read what ptxas gave each kernel (registers, stack bytes = spills, warpgroup
+    and warp MMAs and the instruction count of the SASS; qgemv_mma also per 4-bit code).
 
     The public functions run on CPU tensors of the real shapes with every kernel launch
     intercepted, so each kernel sees the arguments its launcher passes (ON_CPU forced off).
@@ -549,58 +627,86 @@ def compile_report() -> list[dict]:
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
+    from lily.ops.launch import Launched
+
     launches: list = []
-    real_getitem = JITFunction.__getitem__
+    real_getitem, real_launch = JITFunction.__getitem__, Launched.launch
     JITFunction.__getitem__ = lambda fn, grid: lambda *a, **kw: launches.append((fn, a, kw))
+    # Launched's fast path asks CUDA for the device: send every launch to the JIT function.
+    Launched.launch = lambda self, grid, args, kwargs: self.fn[grid](*args, **kwargs)
     try:
         x = torch.zeros(2048, dtype=BF16)
         nw = torch.ones(2048, dtype=BF16)
-        for name, n, k, bits in GEMV_SHAPES:
-            n_model = n
-            n = min(n, 65536)  # the lm_head's table tile is the same from 65536 rows
-            for cfg in [None] + GEMV_OLD.get(name, []) + GEMV_SWEEP.get(name, []):
-                cfg = cfg or gemv_config(n_model, k, 1, bits, 64)
-                launches.append(f"{name} {cfg_str(cfg)}")
-                qgemv(torch.zeros(k, dtype=BF16), zero_qweight((n, k), bits), config=cfg)
-        for name, n, k in FUSED_SHAPES:
-            cfg = gemv_config(n, k, 1, 4, 64)
-            launches.append(f"{name} +norm {cfg_str(cfg)}")
-            qgemv(x, zero_qweight((min(n, 65536), k), 4), norm_weight=nw, config=cfg)
-        launches.append("out_proj +residual")
-        qgemv(torch.zeros(4096, dtype=BF16), zero_qweight((D, 4096), 4), residual=x)
-        for t in (2, 4, 8):
-            launches.append(f"rows T={t}")
-            qgemv(torch.zeros(t, ROWS_SHAPE[1], dtype=BF16), zero_qweight(ROWS_SHAPE, 4))
-        for name, n, k in GEMM_SHAPES:
-            for cfg in [gemm_config(t, n, k, 64) for t in GEMM_T] + GEMM_SWEEP + GEMM_SMALL:
-                launches.append(f"{name} {cfg_str(cfg)}")
-                qgemm(torch.zeros(cfg.block_m, k, dtype=BF16), zero_qweight((n, k), 4), config=cfg)
+        if only & {"gemv", "fused"}:
+            for name, n, k, bits in GEMV_SHAPES:
+                n_model = n
+                n = min(n, 65536)  # the lm_head's table tile is the same from 65536 rows
+                for cfg in [None] + GEMV_OLD.get(name, []) + GEMV_SWEEP.get(name, []):
+                    cfg = cfg or gemv_config(n_model, k, 1, bits, 64)
+                    launches.append(f"{name} {cfg_str(cfg)}")
+                    qgemv(torch.zeros(k, dtype=BF16), zero_qweight((n, k), bits), config=cfg)
+            for name, n, k in FUSED_SHAPES:
+                cfg = gemv_config(n, k, 1, 4, 64)
+                launches.append(f"{name} +norm {cfg_str(cfg)}")
+                qgemv(x, zero_qweight((min(n, 65536), k), 4), norm_weight=nw, config=cfg)
+            launches.append("out_proj +residual")
+            qgemv(torch.zeros(4096, dtype=BF16), zero_qweight((D, 4096), 4), residual=x)
+            for t in (2, 4, 8):
+                launches.append(f"rows T={t}")
+                qgemv(torch.zeros(t, ROWS_SHAPE[1], dtype=BF16), zero_qweight(ROWS_SHAPE, 4))
+        if "gemm" in only:
+            for name, n, k in GEMM_SHAPES:
+                for cfg in [gemm_config(t, n, k, 64) for t in GEMM_T] + GEMM_SWEEP + GEMM_SMALL:
+                    launches.append(f"{name} {cfg_str(cfg)}")
+                    qgemm(
+                        torch.zeros(cfg.block_m, k, dtype=BF16), zero_qweight((n, k), 4), config=cfg
+                    )
         w = {"router": zero_qweight((E, D), 8), "gate": zero_qweight((E, I_E, D), 4),
              "up": zero_qweight((E, I_E, D), 4), "down": zero_qweight((E, D, I_E), 4),
              "shared_gate": zero_qweight((I_S, D), 4), "shared_up": zero_qweight((I_S, D), 4),
              "shared_down": zero_qweight((D, I_S), 4),
              "shared_expert_gate": zero_qweight((1, D), 8)}  # fmt: skip
         args = list(w.values())
-        for cfg in DECODE_CFGS:
-            for norm in (None, nw):
-                label = "+norm " * (norm is not None) + cfg_str(cfg or MoeDecodeConfig())
-                launches.append(f"moe_decode {label}")
-                moe_decode(x, *args, TOP_K, x, norm_weight=norm, config=cfg)
-        # PDL (no-op on CPU tensors): forced on so griddepcontrol is assembled for sm_90.
-        with pdl_forced():
-            launches.append("moe_decode +norm pdl")
-            moe_decode(x, *args, TOP_K, x, norm_weight=nw, pdl=True)
-            launches.append("dn qkv|z|b|a +norm pdl")
-            qgemv(x, zero_qweight((12352, D), 4), norm_weight=nw, pdl=True)
-        for t in PREFILL_T:
-            for bm in (None, *PREFILL_BM):
-                cfg = moe_prefill_config(t if bm is None else bm * E // TOP_K, TOP_K, E)
-                for atomic in (False, True):
-                    launches.append(f"moe_prefill T={t} {'atomic ' * atomic}{cfg_str(cfg)}")
-                    xt = torch.zeros(t, D, dtype=BF16)
-                    moe_prefill(xt, *args, TOP_K, xt, atomic=atomic, config=cfg)
+        if "moe_decode" in only:
+            for cfg in DECODE_CFGS:
+                for norm in (None, nw):
+                    label = "+norm " * (norm is not None) + cfg_str(cfg or MoeDecodeConfig())
+                    launches.append(f"moe_decode {label}")
+                    moe_decode(x, *args, TOP_K, x, norm_weight=norm, config=cfg)
+        if only & {"gemv", "fused", "moe_decode"}:
+            # PDL (no-op on CPU tensors): forced on so griddepcontrol is assembled for sm_90.
+            with pdl_forced():
+                launches.append("moe_decode +norm pdl")
+                moe_decode(x, *args, TOP_K, x, norm_weight=nw, pdl=True)
+                launches.append("dn qkv|z|b|a +norm pdl")
+                qgemv(x, zero_qweight((12352, D), 4), norm_weight=nw, pdl=True)
+        if "moe_prefill" in only:
+            for t in PREFILL_T:
+                for bm in (None, *PREFILL_BM):
+                    cfg = moe_prefill_config(t if bm is None else bm * E // TOP_K, TOP_K, E)
+                    for atomic in (False, True):
+                        launches.append(f"moe_prefill T={t} {'atomic ' * atomic}{cfg_str(cfg)}")
+                        xt = torch.zeros(t, D, dtype=BF16)
+                        moe_prefill(xt, *args, TOP_K, xt, atomic=atomic, config=cfg)
+        if "gemv_mma" in only:
+            for name, n, k, extra in MMA_SHAPES:
+                kw = {"norm_weight": nw} if "norm" in extra else {}
+                if "res" in extra:
+                    kw["residual"] = torch.zeros(n, dtype=BF16)
+                if "fp32" in extra:
+                    kw["out_dtype"] = torch.float32
+                xk = torch.zeros(k, dtype=BF16)
+                for cfg in [mma_gemv_config(n, k, 64)] + MMA_SWEEP.get(name, []):
+                    launches.append(f"{name} {extra} {cfg_str(cfg)}")
+                    qgemv_mma(xk, zero_qweight((min(n, 65536), k), 4), config=cfg, **kw)
+            with pdl_forced():
+                launches.append("dn qkv|z|b|a norm pdl")
+                qgemv_mma(x, zero_qweight((12352, D), 4), norm_weight=nw, pdl=True)
+                launches.append("o_proj/out_proj res pdl")
+                qgemv_mma(torch.zeros(4096, dtype=BF16), zero_qweight((D, 4096), 4),
+                          residual=x, pdl=True)  # fmt: skip
     finally:
-        JITFunction.__getitem__ = real_getitem
+        JITFunction.__getitem__, Launched.launch = real_getitem, real_launch
 
     bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     types = {BF16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32", torch.int64: "*i64"}
@@ -616,6 +722,8 @@ def compile_report() -> list[dict]:
         opts = {"num_warps": kw.get("num_warps", 4), "num_stages": kw.get("num_stages", 3)}
         if kw.get("launch_pdl"):
             opts["launch_pdl"] = True
+        if kw.get("maxnreg"):
+            opts["maxnreg"] = kw["maxnreg"]
         key = (fn.__name__, tuple(sorted(const.items())), tuple(opts.values()))
         if key in seen:
             continue
@@ -643,8 +751,15 @@ def compile_report() -> list[dict]:
                 sass = subprocess.run([tool, "--dump-sass", str(cubin)], capture_output=True,
                                       text=True).stdout  # fmt: skip
             m = re.search(r"REG:(\d+) STACK:(\d+)", res)
+            ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)", sass,
+                             re.M)  # fmt: skip
             row |= {"regs": int(m.group(1)), "stack": int(m.group(2)),
-                    "smem": c.metadata.shared, "wgmma": sass.count("HGMMA")}  # fmt: skip
+                    "smem": c.metadata.shared, "wgmma": sass.count("HGMMA"),
+                    "hmma": sass.count("HMMA."), "instr": sum(o != "NOP" for o in ops),
+                    "movs": sum(o in ("MOV", "IMAD.MOV.U32") for o in ops)}  # fmt: skip
+            if "BLOCK_N" in const and "GROUP" in const and "W" in const:  # qgemv_mma
+                codes = const["BLOCK_N"] * const["NG"] * const["GROUP"] / (32 * const["W"])
+                row["instr_per_code"] = row["instr"] / codes
         except Exception as e:  # noqa: BLE001 - a config that does not compile is data
             row["error"] = f"{type(e).__name__}: {e}"[:ERR_CHARS]
         rows.append(row)
@@ -684,13 +799,14 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.quick:
-        global GEMV_SWEEP, GEMM_SWEEP, PREFILL_BM, DECODE_CFGS
-        GEMV_SWEEP, GEMM_SWEEP, PREFILL_BM = {}, [], ()
+        global GEMV_SWEEP, GEMM_SWEEP, PREFILL_BM, DECODE_CFGS, MMA_SWEEP
+        GEMV_SWEEP, GEMM_SWEEP, PREFILL_BM, MMA_SWEEP = {}, [], (), {}
         DECODE_CFGS = DECODE_CFGS[:3]
     if args.compile_only:
-        rows = compile_report()
+        rows = compile_report(set(args.only.split(",")))
         print(table(rows, ["kernel", "config", "num_warps", "num_stages", "regs", "stack",
-                           "smem", "wgmma"]))  # fmt: skip
+                           "smem", "wgmma", "hmma", "instr", "movs",
+                           "instr_per_code"]))  # fmt: skip
         with open(args.out, "w") as f:
             json.dump({"compile_only": rows}, f, indent=1)
         return
@@ -716,6 +832,8 @@ def main() -> None:
                                                   "us", "GBps", "of_copy"]),
         "gemm": (lambda: gemm_rows(ceil, gen), ["op", "shape", "T", "config", "rel_err", "us",
                                                 "TFLOPs", "of_floor"]),
+        "gemv_mma": (lambda: gemv_mma_rows(ceil, gen), ["op", "shape", "config", "rel_err",
+                                                        "us", "GBps", "of_copy"]),
     }  # fmt: skip
     only = set(args.only.split(","))
     tables = []
