@@ -42,21 +42,30 @@ Tensor = torch.Tensor
 
 _PAIR_MASK = 0x000F000F  # code m of both 16-bit halves; a run-time argument (one LOP3)
 _TERMS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}  # bf16 terms that hold x
+_SMS = 132  # H200; only the tile table uses it
 
 
 @triton.jit
 def _bf16_pairs(p, ON_CPU: tl.constexpr):
-    """int32 holding two bf16 bit patterns -> (low half, high half).
+    """int32 (...) holding two bf16 bit patterns -> (..., 2): [low half, high half].
 
-    GPU: bf16, a view of the register's two halves (no instruction once packed back into an
-    MMA operand). CPU: fp32 (the interpreter has no inline asm and multiplies bf16 dot
-    operands as integers)."""
+    GPU: bf16 through an inline-asm copy of the word that Triton packs as two 16-bit
+    elements (pack=2; the second input, the same word, is unused), so the MMA operand is the
+    LOP3's register itself. Splitting it into two 16-bit halves instead (``mov.b32 {$0, $1}``)
+    cost ~80 register moves a thread: ptxas did not place the halves straight into the
+    MMA's operand registers. CPU: fp32 (the interpreter has no inline asm and multiplies
+    bf16 dot operands as integers)."""
     if ON_CPU:
-        return (p << 16).to(tl.float32, bitcast=True), (p & -65536).to(tl.float32, bitcast=True)
+        lo = (p << 16).to(tl.float32, bitcast=True)
+        return tl.join(lo, (p & -65536).to(tl.float32, bitcast=True))
     return tl.inline_asm_elementwise(
-        "mov.b32 {$0, $1}, $2;", "=h,=h,r", [p], dtype=(tl.bfloat16, tl.bfloat16),
-        is_pure=True, pack=1,
-    )  # fmt: skip
+        "mov.b32 $0, $1;",
+        "=r,r,r",
+        [tl.join(p, p)],
+        dtype=tl.bfloat16,
+        is_pure=True,
+        pack=2,
+    )
 
 
 @triton.jit
@@ -167,12 +176,11 @@ def _qgemv_mma_kernel(
                               (G, GROUP, 8))  # fmt: skip
 
     # Codes -> bf16 128 + q: pair m of a word holds codes m (low half) and m + 4 (high half).
-    e0l, e0h = _bf16_pairs((b_w & pair_mask) | 0x43004300, ON_CPU)
-    e1l, e1h = _bf16_pairs(((b_w >> 4) & pair_mask) | 0x43004300, ON_CPU)
-    e2l, e2h = _bf16_pairs(((b_w >> 8) & pair_mask) | 0x43004300, ON_CPU)
-    e3l, e3h = _bf16_pairs(((b_w >> 12) & pair_mask) | 0x43004300, ON_CPU)
-    b_a = tl.join(tl.join(tl.join(e0l, e0h), tl.join(e1l, e1h)),
-                  tl.join(tl.join(e2l, e2h), tl.join(e3l, e3h)))  # fmt: skip
+    e0 = _bf16_pairs((b_w & pair_mask) | 0x43004300, ON_CPU)
+    e1 = _bf16_pairs(((b_w >> 4) & pair_mask) | 0x43004300, ON_CPU)
+    e2 = _bf16_pairs(((b_w >> 8) & pair_mask) | 0x43004300, ON_CPU)
+    e3 = _bf16_pairs(((b_w >> 12) & pair_mask) | 0x43004300, ON_CPU)
+    b_a = tl.join(tl.join(e0, e1), tl.join(e2, e3))
     # (G, BN, c, v, e, m0, m1) -> (G, BN, v, m1, c, m0, e): K order as above
     b_a = tl.reshape(tl.permute(b_a, (0, 1, 3, 6, 2, 5, 4)), (G, BLOCK_N, GROUP))
     b_d = tl.dot(b_a, b_xb, input_precision="ieee")  # (G, BLOCK_N, 8) fp32
@@ -221,15 +229,16 @@ class MmaGemvConfig:
 def mma_gemv_config(n: int, k: int, group_size: int) -> MmaGemvConfig:
     """Tile for a shape (a stand-in for a measured table; see the notes).
 
-    A warp takes 32 words a lane (16 codes x 2 rows x 8 groups... for groups of 64: 4 groups
-    of two 16-row tiles), so K = 2048 is 8 warps and K = 4096 16. 32 rows a program where
-    that gives 1.5 programs an SM or more (132 SMs), else 16. At 256 threads the program is
-    capped at 80 registers, which lets three share an SM: 12,352 rows (386 programs) then fit
-    in one wave (ptxas takes 88 with the norm prologue: two an SM, 1.46 waves)."""
+    A warp takes 32 words a lane (for groups of 64: 4 groups of two 16-row tiles), so
+    K = 2048 is 8 warps and K = 4096 16; 32 rows a program where that gives 1.5 programs an
+    SM or more (132 SMs), else 16. Past two programs an SM (264 at 256 threads) the program
+    is capped at 80 registers so that three share an SM: 12,352 rows (386 programs) then run
+    in one wave (ptxas takes 89 with the norm prologue: two an SM, 1.46 waves)."""
     groups = pow2(k // group_size)
     warps = min(16, max(1, groups * (group_size // 32) // 8), groups)
     block_n = 32 if -(-n // 32) >= 192 else 16
-    return MmaGemvConfig(block_n, warps, 80 if warps == 8 and block_n == 32 else None)
+    cap = warps == 8 and -(-n // block_n) > 2 * _SMS
+    return MmaGemvConfig(block_n, warps, 80 if cap else None)
 
 
 def qgemv_mma(
