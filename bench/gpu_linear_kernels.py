@@ -724,7 +724,8 @@ def compile_report(only: set[str]) -> list[dict]:
             opts["launch_pdl"] = True
         if kw.get("maxnreg"):
             opts["maxnreg"] = kw["maxnreg"]
-        key = (fn.__name__, tuple(sorted(const.items())), tuple(opts.values()))
+        dtypes = tuple(str(v.dtype) for v in a if isinstance(v, torch.Tensor))
+        key = (fn.__name__, tuple(sorted(const.items())), tuple(opts.values()), dtypes)
         if key in seen:
             continue
         seen.add(key)
