@@ -111,12 +111,13 @@ MMA_SHAPES = [
     ("o_proj/out_proj", 2048, 4096, "res"), ("lm_head", 248320, 2048, "norm fp32"),
 ]  # fmt: skip
 MMA_SWEEP = {  # qgemv_mma tiles besides the table (rows x warps, register cap); not --quick
-    "in_proj_qkv/q_proj": [MmaGemvConfig(16, 8), MmaGemvConfig(32, 8), MmaGemvConfig(32, 4),
+    "in_proj_qkv/q_proj": [MmaGemvConfig(16, 8), MmaGemvConfig(32, 8, 80), MmaGemvConfig(32, 4),
                            MmaGemvConfig(64, 16)],
     "dn qkv|z|b|a": [MmaGemvConfig(32, 8), MmaGemvConfig(16, 4), MmaGemvConfig(32, 4),
-                     MmaGemvConfig(64, 4)],
+                     MmaGemvConfig(64, 16)],
     "o_proj/out_proj": [MmaGemvConfig(16, 8), MmaGemvConfig(32, 16)],
-    "lm_head": [MmaGemvConfig(64, 8), MmaGemvConfig(16, 4), MmaGemvConfig(32, 4)],
+    "lm_head": [MmaGemvConfig(32, 8), MmaGemvConfig(64, 16), MmaGemvConfig(64, 8),
+                MmaGemvConfig(16, 4)],
 }  # fmt: skip
 STRESS_T = (4096, 4096, 1000)  # prefill chunks in a row for the stress row
 ERR_CHARS = 200  # of a compile error in the --compile-only table
