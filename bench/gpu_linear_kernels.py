@@ -283,6 +283,12 @@ def fused_rows(ceil: dict, gen: torch.Generator) -> list[dict]:
     return rows
 
 
+def mma_after_rmsnorm(x, w, *, norm_weight, eps, pdl=False, **kw):
+    """rmsnorm kernel, then qgemv_mma on the normed row: one launch more, but the statistics
+    once instead of in each of the (7,760 for the lm_head) programs."""
+    return qgemv_mma(rmsnorm(x, norm_weight, eps), w, pdl=pdl, **kw)
+
+
 def gemv_mma_rows(ceil: dict, gen: torch.Generator) -> list[dict]:
     """qgemv_mma (tensor cores) against qgemv (FMA) on the decode shapes, table tiles with
     and without PDL, then qgemv_mma tile variants; every row checked against the fp32
@@ -312,10 +318,12 @@ def gemv_mma_rows(ceil: dict, gen: torch.Generator) -> list[dict]:
             ("qgemv_mma", qgemv_mma, None, False),
             ("qgemv_mma", qgemv_mma, None, True),
         ]
+        if "norm" in extra:  # the norm once (its own launch) instead of in every program
+            variants.append(("rmsnorm + qgemv_mma", mma_after_rmsnorm, None, True))
         variants += [("qgemv_mma", qgemv_mma, c, False) for c in MMA_SWEEP.get(name, [])]
         for op, fn, cfg, pdl in variants:
             used = cfg or (
-                mma_gemv_config(n, k, 64) if fn is qgemv_mma else gemv_config(n, k, 1, 4, 64)
+                gemv_config(n, k, 1, 4, 64) if fn is qgemv else mma_gemv_config(n, k, 64)
             )
             base = {
                 "op": op,
