@@ -87,7 +87,7 @@ def _qgemv_mma_kernel(
     p_x, p_qw, p_s, p_b, p_nw, p_res, p_out, N, stride_qn, stride_sn, pair_mask, eps,
     GROUP: tl.constexpr, NG: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
     W: tl.constexpr, TERMS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
-    EVEN: tl.constexpr, ON_CPU: tl.constexpr, PDL: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ON_CPU: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     i_n = tl.program_id(0)
     WPL: tl.constexpr = GROUP // 32  # words a lane holds of a row and group
@@ -106,12 +106,25 @@ def _qgemv_mma_kernel(
     o_gh = tl.arange(0, GH)[None, None, None, None, :, None]
     o_v = tl.arange(0, WPL)[None, None, None, None, None, :]
     r = i_n * BLOCK_N + o_hi * 8 + o_lo
-    g = o_gw * GH + o_gh
-    p_w = p_qw + r * stride_qn + g * (GROUP // 8) + WPL * o_c + o_v
-    if EVEN:
-        b_w = tl.load(p_w)
+    WPG: tl.constexpr = GROUP // 8  # words a group
+    o_g = (o_gw * GH + o_gh) * WPG
+    if not EVEN_K:
+        # Groups past NG (K padded to G groups) read group NG - 1 again (cache hits; their
+        # scales and biases are 0). A mask along groups, or the clamp without the alignment
+        # hint, costs the vector loads and with them the operand layout (A then went through
+        # 128 KB of shared memory).
+        o_g = tl.multiple_of(tl.minimum(o_g, (NG - 1) * WPG), (WPG, WPG, WPG, WPG, WPG, WPG))
+    if WPL == 1:
+        # one word a lane: c would be contiguous and get vectorized into one thread
+        o_c = (o_c * 2) // 2
+    o_w = o_g + WPL * o_c + o_v
+    # NOTE: rows start on 16 bytes (checked by the launcher); Triton knows it only when the
+    # stride is a multiple of 16, and without it the words are not vector-loaded.
+    o_r = tl.multiple_of(r * stride_qn, (4, 4, 4, 4, 4, 4))
+    if EVEN_N:
+        b_w = tl.load(p_qw + o_r + o_w)
     else:
-        b_w = tl.load(p_w, mask=(r < N) & (g < NG), other=0)
+        b_w = tl.load(p_qw + o_r + o_w, mask=r < N, other=0)
     b_w = tl.reshape(tl.permute(b_w, (4, 2, 3, 1, 0, 5)), (G, BLOCK_N, 4, WPL))
     # Scales and biases in the layout of the MMA result (G, BLOCK_N, 4): the c axis is a
     # broadcast (the four lanes of a row hold the same D); gh is contiguous (vector loads).
@@ -123,7 +136,7 @@ def _qgemv_mma_kernel(
     r_sb = i_n * BLOCK_N + q_hi * 8 + q_lo + q_c
     g_sb = q_gw * GH + q_gh
     p_sb = r_sb * stride_sn + g_sb
-    if EVEN:
+    if EVEN_N and EVEN_K:
         b_s = tl.load(p_s + p_sb)
         b_b = tl.load(p_b + p_sb)
     else:
@@ -136,7 +149,7 @@ def _qgemv_mma_kernel(
     # x: the norm, the per-group sums, and the bf16 terms in the MMA's K order.
     o_k = tl.arange(0, G * GROUP)
     m_k = o_k < NG * GROUP
-    if EVEN:
+    if EVEN_K:
         b_x = tl.load(p_x + o_k)
     else:
         b_x = tl.load(p_x + o_k, mask=m_k, other=0.0)
@@ -270,6 +283,8 @@ def qgemv_mma(
         raise ValueError(
             f"qgemv_mma: x must be (K,) or (1, K), got {tuple(x.shape)} (several rows: qgemv)"
         )
+    if w.qweight.stride(0) % 4 or w.qweight.data_ptr() % 16:
+        raise ValueError("qgemv_mma: qweight rows must start on 16-byte boundaries")
     x1 = x.reshape(k)
     x1 = x1 if x1.stride(0) == 1 else x1.contiguous()
     if norm_weight is not None:
@@ -296,7 +311,7 @@ def qgemv_mma(
         w.scales.stride(0), _PAIR_MASK, float(eps),
         GROUP=w.group_size, NG=n_groups, G=groups, BLOCK_N=cfg.block_n, W=warps,
         TERMS=_TERMS[x.dtype], HAS_NORM=norm_weight is not None, HAS_RES=residual is not None,
-        EVEN=n % cfg.block_n == 0 and groups == n_groups, ON_CPU=x.device.type == "cpu",
+        EVEN_N=n % cfg.block_n == 0, EVEN_K=groups == n_groups, ON_CPU=x.device.type == "cpu",
         PDL=pdl, num_warps=warps, **pdl_launch(pdl), **regs,
     )  # fmt: skip
     return out.reshape(out_shape)

@@ -139,6 +139,9 @@ def test_qgemv_mma_rejects_what_it_does_not_run():
         qgemv_mma(x, w, residual=torch.zeros(33, device=DEVICE))
     with pytest.raises(TypeError, match="QuantWeight"):
         qgemv_mma(x, torch.zeros(32, 128, device=DEVICE))
+    shifted = torch.zeros(32 * 16 + 1, dtype=torch.int32, device=DEVICE)[1:].view(32, 16)
+    with pytest.raises(ValueError, match="16-byte"):
+        qgemv_mma(x, QuantWeight(shifted, w.scales, w.biases, 4, 64))
     with pytest.raises(ValueError, match="block_n"):
         MmaGemvConfig(8, 4)
     with pytest.raises(ValueError, match="num_warps"):
