@@ -163,7 +163,7 @@ def _qgemv_mma_kernel(
     # (groups in memory order) -> (batches): group gw * GH + gh is batch gh * W + gw.
     b_xn = tl.reshape(tl.permute(tl.reshape(b_xn, (W, GH, GROUP)), (1, 0, 2)), (G, GROUP))
     b_xs = tl.sum(b_xn, axis=1)
-    # Inside a group, code 8 (WPL c + v) + 4 e + 2 m1 + m0 is MMA row k = 16 (2 v + m1) +
+    # Inside a group, code 8 (WPL c + v) + 4 e + 2 m1 + m0 is the MMA's k = 16 (2 v + m1) +
     # 4 c + 2 m0 + e: the lane with c holds words WPL c.., each 32-bit operand register is
     # the pair (m, m + 4) of one word.
     b_xn = tl.reshape(tl.permute(tl.reshape(b_xn, (G, 4, WPL, 2, 2, 2)), (0, 2, 4, 1, 5, 3)),
