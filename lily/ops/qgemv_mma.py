@@ -254,6 +254,12 @@ def mma_gemv_config(n: int, k: int, group_size: int) -> MmaGemvConfig:
     return MmaGemvConfig(block_n, warps, 80 if cap else None)
 
 
+def mma_supports(w: QuantWeight) -> bool:
+    """Whether ``qgemv_mma`` takes this weight: 4 bits, rows on 16-byte boundaries (the
+    words load straight into the MMA's registers, four at a time)."""
+    return w.bits == 4 and w.qweight.stride(0) % 4 == 0 and w.qweight.data_ptr() % 16 == 0
+
+
 def qgemv_mma(
     x: Tensor,
     w: QuantWeight,

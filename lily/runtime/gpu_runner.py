@@ -30,6 +30,7 @@ from lily.ops.moe_prefill import moe_prefill
 from lily.ops.norm_rope import rope_inv_freq
 from lily.ops.qgemm import qgemm
 from lily.ops.qgemv import qgemv
+from lily.ops.qgemv_mma import mma_supports, qgemv_mma
 from lily.ops.rmsnorm import add_rmsnorm, rmsnorm
 from lily.quant import QuantWeight, Weight
 from lily.runtime.device_decode import DeviceDecode
@@ -147,12 +148,16 @@ class GpuRunner(Runner):
     """Kernel forward over the model's parameters and the engine's session state."""
 
     def __init__(self, model, chunk: int, use_graphs: bool = True, sample_on_device: bool = True,
-                 pdl: bool = True):  # fmt: skip
+                 pdl: bool = True, mma: bool = True):  # fmt: skip
         self.model = model
         # Programmatic dependent launch for the decode step's GEMVs and MoE (Hopper): each
         # issues its weight loads while the kernel before it drains (bench: the fused
         # projection GEMV 10.3 -> 8.6 us, o_proj 4.98 -> 4.36 us). No-op elsewhere.
         self.pdl = pdl
+        # 4-bit decode GEMVs on the tensor cores (qgemv_mma; H200, in graphs with PDL:
+        # DeltaNet projections 8.67 -> 7.47 us, attention's 7.6 -> 5.81, o_proj 4.38 -> 3.97,
+        # lm_head 114 -> 89 us after its own norm launch; bench/results/linear_mma_h200.json)
+        self.mma = mma
         self.cfg: ModelConfig = model.cfg
         self.p = model.params
         self.chunk = max(1, chunk)
@@ -193,7 +198,7 @@ class GpuRunner(Runner):
         """The layer's input projections of rmsnorm(x) for one token: (N,) each."""
         w = self.fused[i][0] if i in self.fused else None
         if isinstance(w, QuantWeight):  # the norm rides in the GEMV's prologue
-            y = qgemv(x, w, norm_weight=norm_w, eps=eps, pdl=self.pdl)
+            y = self._gemv(x, w, norm_weight=norm_w, eps=eps)
             return list(y.split(self.fused[i][1]))
         return self._project_chunk(i, rmsnorm(x, norm_w, eps), kind)
 
@@ -231,16 +236,27 @@ class GpuRunner(Runner):
             x = moe_decode(x, *[p[pre + "moe." + n] for n in MOE_WEIGHTS],
                            top_k=cfg.num_experts_per_tok, residual=x,
                            norm_weight=p[pre + "post_norm"], eps=eps, pdl=self.pdl)  # fmt: skip
-        if isinstance(p["lm_head"], QuantWeight):
-            return qgemv(x, p["lm_head"], norm_weight=p["norm"], eps=eps, out_dtype=torch.float32,
-                         pdl=self.pdl)  # fmt: skip
+        w = p["lm_head"]
+        if isinstance(w, QuantWeight) and self.mma and mma_supports(w):
+            # its own norm launch: in the GEMV's prologue each of ~7,800 programs redid it
+            # (95 against 89 us)
+            return self._gemv(rmsnorm(x, p["norm"], eps), w, out_dtype=torch.float32)
+        if isinstance(w, QuantWeight):
+            return self._gemv(x, w, norm_weight=p["norm"], eps=eps, out_dtype=torch.float32)
         return linear(rmsnorm(x, p["norm"], eps), p["lm_head"], out_dtype=torch.float32)
 
     def _out_proj(self, o: torch.Tensor, w: Weight, x: torch.Tensor) -> torch.Tensor:
         """``x + o @ w.T`` for the decode row (the residual added before the one rounding)."""
         if isinstance(w, QuantWeight):
-            return qgemv(o, w, residual=x, pdl=self.pdl)
+            return self._gemv(o, w, residual=x)
         return linear(o, w, residual=x)
+
+    def _gemv(self, x: torch.Tensor, w: QuantWeight, **kw) -> torch.Tensor:
+        """One decode row through a packed weight: on the tensor cores where qgemv_mma
+        takes it (4 bits, aligned rows), else the CUDA-core GEMV; PDL as the runner says."""
+        if self.mma and mma_supports(w):
+            return qgemv_mma(x, w, pdl=self.pdl, **kw)
+        return qgemv(x, w, pdl=self.pdl, **kw)
 
     # ---- one forward over T tokens (T = 1 is the decode step)
     def _forward(
