@@ -96,8 +96,14 @@ MOE_WEIGHTS = ("router", "gate_proj", "up_proj", "down_proj", "shared_gate_proj"
                "shared_up_proj", "shared_down_proj", "shared_expert_gate")  # fmt: skip
 
 
-def moe(p: dict, pre: str, h: torch.Tensor, x: torch.Tensor, cfg: ModelConfig,
-        next_norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip  # noqa: E501
+def moe(
+    p: dict,
+    pre: str,
+    h: torch.Tensor,
+    x: torch.Tensor,
+    cfg: ModelConfig,
+    next_norm: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``x + moe(h)`` for h, x (T, D), with routing on the GPU, and for several rows with
     ``next_norm`` also its RMSNorm by that weight (the next layer's input), else None."""
     args = [p[pre + n] for n in MOE_WEIGHTS]
