@@ -26,21 +26,10 @@ from lily.ops.moe_prefill import MoePrefillConfig, moe_prefill, moe_prefill_conf
 from lily.ops.qgemm import GemmConfig  # noqa: E402
 from lily.ops.ref_linear import ref_moe, ref_qlinear, ref_route  # noqa: E402
 from lily.quant import quantize  # noqa: E402
+from tests.ops.common import rel_err  # noqa: E402
 
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 D, I_E, I_S = 192, 64, 128
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    assert torch.isfinite(a).all(), "output has NaN/inf (unwritten or bad values)"
-    return ((a - b).norm() / b.norm()).item()
-
-
-@pytest.fixture
-def poison(poison_empty):
-    """torch.empty returns NaN-filled floats and -1-filled ints while the test runs."""
-    poison_empty(int_value=-1, like=False)
 
 
 def make_moe(e: int, bits: int, gs: int, shared: bool, seed: int, device: str) -> dict:

@@ -23,20 +23,9 @@ from lily.ops.qgemv import qgemv  # noqa: E402
 from lily.ops.qgemv_mma import MmaGemvConfig, mma_gemv_config, qgemv_mma  # noqa: E402
 from lily.ops.ref_linear import ref_qlinear  # noqa: E402
 from lily.quant import QuantWeight, quantize  # noqa: E402
+from tests.ops.common import rel_err  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    assert torch.isfinite(a).all(), "output has NaN/inf (unwritten or bad values)"
-    return ((a - b).norm() / b.norm()).item()
-
-
-@pytest.fixture
-def poison(poison_empty):
-    """Every torch.empty is NaN (floats) or -1 (ints): an unwritten output shows."""
-    poison_empty(int_value=-1, like=False)
 
 
 def _weight(n: int, k: int, gs: int, gen: torch.Generator, bits: int = 4) -> QuantWeight:

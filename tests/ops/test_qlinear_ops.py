@@ -23,21 +23,9 @@ from lily.ops.qgemm import GemmConfig, gemm_config, qgemm  # noqa: E402
 from lily.ops.qgemv import GemvConfig, gemv_config, qgemv  # noqa: E402
 from lily.ops.ref_linear import ref_qlinear  # noqa: E402
 from lily.quant import QuantWeight, quantize  # noqa: E402
+from tests.ops.common import rel_err  # noqa: E402
 
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    assert torch.isfinite(a).all(), "output has NaN/inf (unwritten or bad values)"
-    return ((a - b).norm() / b.norm()).item()
-
-
-@pytest.fixture
-def poison(poison_empty):
-    """Every torch.empty made while the test runs is filled with NaN (floats) or -1 (ints),
-    so any output element a kernel fails to write shows up."""
-    poison_empty(int_value=-1, like=False)
 
 
 def _weight(n: int, k: int, bits: int, gs: int, device: str, gen: torch.Generator) -> QuantWeight:

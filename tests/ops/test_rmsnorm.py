@@ -19,14 +19,9 @@ if not torch.cuda.is_available():
 
 from lily.model.norm import rms_norm  # noqa: E402
 from lily.ops.rmsnorm import add_rmsnorm, rmsnorm  # noqa: E402
+from tests.ops.common import rel_err  # noqa: E402
 
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    assert torch.isfinite(a).all(), "output has NaN/inf (unwritten or bad values)"
-    return ((a - b).norm() / b.norm()).item()
 
 
 @pytest.fixture
