@@ -56,7 +56,8 @@ ATTN_CONTEXTS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 ATTN_SPLITS = (64, 256, 1024)  # tried beside the plain variant and default_split
 ATTN_PREFILL_SHAPES = ((512, 0), (2048, 0), (8192, 0), (512, 1536), (2048, 30720))  # T, start
 # block_m, block_n, warps (the default first)
-ATTN_PREFILL_CONFIGS = [(64, 32, 4), (64, 64, 8), (32, 64, 4), (128, 32, 8), (64, 16, 4)]
+ATTN_PREFILL_CONFIGS = [(128, 64, 8), (64, 32, 4), (64, 64, 8), (32, 64, 4), (128, 32, 8),
+                        (64, 16, 4)]  # fmt: skip
 # Key splits of the prefill (T, start): short chunks after a long history (reused turns)
 ATTN_SPLIT_SHAPES = ((1128, 16080), (512, 16000), (2048, 16000), (1128, 4000), (4096, 0),
                      (4096, 12288), (4096, 126976))  # fmt: skip

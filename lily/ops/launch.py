@@ -147,6 +147,10 @@ def _spec(a) -> tuple:
     raise TypeError(type(a))
 
 
+def _has_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
 def _current_device() -> int:
     return torch.cuda.current_device()
 
@@ -180,7 +184,10 @@ class Launched:
     def __init__(self, fn):
         self.fn = fn
         params = getattr(fn, "params", None)
-        self.fast = _FAST and isinstance(fn, triton.runtime.jit.JITFunction) and params
+        # Only with a GPU: the fast path asks CUDA for the current device and stream (a
+        # compile-only run on a machine without one goes through Triton's own path).
+        self.fast = (_FAST and isinstance(fn, triton.runtime.jit.JITFunction) and params
+                     and _has_cuda())  # fmt: skip
         if self.fast:
             self.names = [p.name for p in params]
             self.defaults = {p.name: p.default for p in params if p.has_default}

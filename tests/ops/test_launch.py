@@ -51,6 +51,7 @@ def _kernel_source(p_x, n, eps, BLOCK: tl.constexpr, FLAG: tl.constexpr = False)
 def fake_triton(monkeypatch):
     """A real JITFunction whose Triton path is replaced by a recorder (no GPU here)."""
     monkeypatch.setattr(launch, "_FAST", True)
+    monkeypatch.setattr(launch, "_has_cuda", lambda: True)
     monkeypatch.setattr(launch, "_current_device", lambda: 0)
     monkeypatch.setattr(launch, "_current_stream", lambda dev: 1234)
     jf = triton.runtime.jit.JITFunction(_kernel_source)
@@ -91,6 +92,21 @@ def test_launched_goes_direct_only_for_a_seen_signature(fake_triton):
     k[(1,)](x, 7, 2e-6, 8)
     k[(1,)](x, 7, 2e-6, 8)
     assert len(slow) == 10
+
+
+def test_without_a_gpu_every_launch_goes_through_triton(monkeypatch):
+    """A compile-only run on a machine without CUDA: the fast path (which asks CUDA for
+    the device and stream) is off, so each launch is Triton's own."""
+    monkeypatch.setattr(launch, "_FAST", True)
+    monkeypatch.setattr(launch, "_has_cuda", lambda: False)
+    jf = triton.runtime.jit.JITFunction(_kernel_source)
+    slow: list = []
+    jf.run = lambda *a, grid, warmup, **kw: slow.append(grid) or _Compiled()
+    k = launch.Launched(jf)
+    x = torch.zeros(64, dtype=torch.float32)
+    k[(3,)](x, 5, 1e-6, BLOCK=4)
+    k[(3,)](x, 5, 1e-6, BLOCK=4)
+    assert not k.fast and slow == [(3,), (3,)] and not k.cache
 
 
 def test_launch_key_is_the_spec_of_every_argument():
