@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lily.ops.launch import cdiv, launched, pow2
+from lily.ops.launch import cdiv, check, launched, pow2
 from lily.ops.norm_rope import rms_rope_apply, rms_rope_load, sigmoid
 
 Tensor = torch.Tensor
@@ -147,9 +147,8 @@ def _combine_kernel(
     )
 
 
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(f"attention_decode: {msg}")
+def _check(cond: bool, msg) -> None:
+    check(cond, "attention_decode", msg)
 
 
 def default_split(max_len: int) -> int:

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lily.ops.launch import cdiv, launched, pow2
+from lily.ops.launch import cdiv, check, launched, pow2
 from lily.ops.norm_rope import gated_rmsnorm_rows, sigmoid, silu
 
 Tensor = torch.Tensor
@@ -177,9 +177,8 @@ class DeltaNetDecodeWorkspace:
         )
 
 
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(f"deltanet_decode: {msg}")
+def _check(cond: bool, msg) -> None:
+    check(cond, "deltanet_decode", msg)
 
 
 def deltanet_decode(

@@ -40,7 +40,7 @@ from lily.ops.qgemm import (
     load_dequant,
     mma,
 )
-from lily.ops.rmsnorm import cast_to, check_norm, to_bf16
+from lily.ops.rmsnorm import cast_to, check_norm, rms_row, to_bf16
 from lily.quant import QuantWeight
 
 Tensor = torch.Tensor
@@ -274,10 +274,8 @@ def _moe_combine_kernel(
     b_x = cast_to(acc, p_out.dtype.element_ty, ON_CPU)
     tl.store(p_out + t * stride_ot + o_d, b_x, mask=m_d)
     if NORM:  # the next layer's input norm of the rounded row (one program holds all of it)
-        b_xf = b_x.to(tl.float32)
         b_w = tl.load(p_nw + o_d, mask=m_d, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt_rn(tl.sum(b_xf * b_xf, axis=0) / D + eps)
-        b_h = cast_to(b_xf * rstd * b_w, p_h.dtype.element_ty, ON_CPU)
+        b_h = cast_to(rms_row(b_x.to(tl.float32), b_w, D, eps), p_h.dtype.element_ty, ON_CPU)
         tl.store(p_h + t * stride_h + o_d, b_h, mask=m_d)
 
 

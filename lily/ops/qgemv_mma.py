@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lily.ops.launch import check_weight, check_x, launched, pdl_launch, pow2, use_pdl
+from lily.ops.launch import cdiv, check_weight, check_x, launched, pdl_launch, pow2, use_pdl
 from lily.ops.qgemv import pdl_wait
 from lily.ops.rmsnorm import cast_to, check_norm, norm_x, to_bf16
 from lily.quant import QuantWeight
@@ -289,7 +289,7 @@ def qgemv_mma(
         raise ValueError(
             f"qgemv_mma: x must be (K,) or (1, K), got {tuple(x.shape)} (several rows: qgemv)"
         )
-    if w.qweight.stride(0) % 4 or w.qweight.data_ptr() % 16:
+    if not mma_supports(w):
         raise ValueError("qgemv_mma: qweight rows must start on 16-byte boundaries")
     x1 = x.reshape(k)
     x1 = x1 if x1.stride(0) == 1 else x1.contiguous()
@@ -311,7 +311,7 @@ def qgemv_mma(
     out = torch.empty(n, dtype=out_dtype or x.dtype, device=x.device)
     pdl = use_pdl(pdl, x.device)
     regs = {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
-    _qgemv_mma_kernel[(-(-n // cfg.block_n),)](
+    _qgemv_mma_kernel[(cdiv(n, cfg.block_n),)](
         x1, w.qweight, w.scales, w.biases, norm_weight if norm_weight is not None else x1,
         residual if residual is not None else out, out, n, w.qweight.stride(0),
         w.scales.stride(0), _PAIR_MASK, float(eps),

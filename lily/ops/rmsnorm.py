@@ -73,6 +73,14 @@ def row_rstd(p_x, stride_xt, T, K, eps, BT: tl.constexpr, NORM_BLOCK: tl.constex
     return 1.0 / tl.sqrt_rn(b_ss / K + eps)
 
 
+@triton.jit
+def rms_row(b_xf, b_w, D, eps):
+    """fp32 ``x * rsqrt(mean(x^2) + eps) * w`` of one whole row held by the program (padding
+    zeros add nothing to the sum)."""
+    rstd = 1.0 / tl.sqrt_rn(tl.sum(b_xf * b_xf, axis=0) / D + eps)
+    return b_xf * rstd * b_w
+
+
 @launched
 @triton.jit
 def _rmsnorm_kernel(
@@ -89,10 +97,8 @@ def _rmsnorm_kernel(
         b_r = tl.load(p_r + t * stride_r + o_d, mask=m_d, other=0.0)
         b_x = cast_to(b_x.to(tl.float32) + b_r.to(tl.float32), p_x.dtype.element_ty, ON_CPU)
         tl.store(p_sum + t * stride_s + o_d, b_x, mask=m_d)
-    b_xf = b_x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt_rn(tl.sum(b_xf * b_xf, axis=0) / D + eps)
-    tl.store(p_out + t * stride_o + o_d, cast_to(b_xf * rstd * b_w, p_out.dtype.element_ty,
-                                                  ON_CPU), mask=m_d)  # fmt: skip
+    b_h = rms_row(b_x.to(tl.float32), b_w, D, eps)
+    tl.store(p_out + t * stride_o + o_d, cast_to(b_h, p_out.dtype.element_ty, ON_CPU), mask=m_d)
 
 
 def check_norm(norm_weight: Tensor | None, k: int, name: str, device: torch.device) -> Tensor:

@@ -243,7 +243,7 @@ class GpuRunner(Runner):
                            top_k=cfg.num_experts_per_tok, residual=x,
                            norm_weight=p[pre + "post_norm"], eps=eps, pdl=self.pdl)  # fmt: skip
         w = p["lm_head"]
-        if isinstance(w, QuantWeight) and self.mma and mma_supports(w):
+        if isinstance(w, QuantWeight) and self._on_mma(w):
             # its own norm launch: in the GEMV's prologue each of ~7,800 programs redid it
             # (95 against 89 us)
             return self._gemv(rmsnorm(x, p["norm"], eps), w, out_dtype=torch.float32)
@@ -257,10 +257,15 @@ class GpuRunner(Runner):
             return self._gemv(o, w, residual=x)
         return linear(o, w, residual=x)
 
+    def _on_mma(self, w: QuantWeight) -> bool:
+        """Whether this weight's decode GEMV runs on the tensor cores (qgemv_mma takes 4 bits
+        on aligned rows)."""
+        return self.mma and mma_supports(w)
+
     def _gemv(self, x: torch.Tensor, w: QuantWeight, **kw) -> torch.Tensor:
-        """One decode row through a packed weight: on the tensor cores where qgemv_mma
-        takes it (4 bits, aligned rows), else the CUDA-core GEMV; PDL as the runner says."""
-        if self.mma and mma_supports(w):
+        """One decode row through a packed weight: qgemv_mma where ``_on_mma``, else the
+        CUDA-core GEMV; PDL as the runner says."""
+        if self._on_mma(w):
             return qgemv_mma(x, w, pdl=self.pdl, **kw)
         return qgemv(x, w, pdl=self.pdl, **kw)
 
