@@ -120,7 +120,7 @@ MMA_SWEEP = {  # qgemv_mma tiles besides the table (rows x warps, register cap);
                 MmaGemvConfig(16, 4)],
 }  # fmt: skip
 STRESS_T = (4096, 4096, 1000)  # prefill chunks in a row for the stress row
-ERR_CHARS = 200  # of a compile error in the --compile-only table
+ERR_CHARS = 200
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -342,6 +342,71 @@ def gemv_mma_rows(ceil: dict, gen: torch.Generator) -> list[dict]:
             calls = [partial(call, x, w, r) for w, x, r in zip(ws, xs, rs, strict=True)]
             check = partial(call, xs[0], ws[0], rs[0])
             attempt(rows, base, partial(gemv_point, calls, check, ref, nbytes, floor_us))
+        del ws
+    return rows
+
+
+def size_floor_rows(name: str, ws: list[QuantWeight], nbytes: float, ceil: dict) -> list[dict]:
+    """What one kernel reading this many bytes reaches in the same harness (a graph of calls
+    over the same distinct buffers): torch's copy of the packed words (read + write) and
+    torch's sum of them (read only)."""
+    rows: list[dict] = []
+    flats = [w.qweight.view(-1) for w in ws]
+    dsts = [torch.empty_like(f) for f in flats]
+    wbytes = flats[0].numel() * 4
+    copies = [partial(d.copy_, f) for d, f in zip(dsts, flats, strict=True)]
+    for label, calls, moved in (
+        ("torch copy (read+write)", copies, 2),
+        ("torch sum (read)", [partial(torch.sum, f) for f in flats], 1),
+    ):
+        base = {"op": "size floor", "shape": name, "config": label}
+
+        def point(calls=calls, moved=moved):
+            us = graph_ms(calls) * 1e3
+            gbps = moved * wbytes / us / 1e3
+            return {"us": us, "GBps": gbps, "of_copy": gbps / ceil["copy_GBps"],
+                    "gemv_bytes_us": nbytes / gbps / 1e3}  # fmt: skip
+
+        attempt(rows, base, point)
+    return rows
+
+
+def floor_rows(ceil: dict, gen: torch.Generator) -> list[dict]:
+    """qgemv_mma with PDL in graphs of back-to-back calls over distinct weights (HBM) and
+    over one weight (L2-resident: the kernel's time without DRAM), next to the size floors
+    (what one torch kernel moving this many bytes reaches in the same harness)."""
+    rows: list[dict] = []
+    nw = norm_weight(gen)
+    for name, n, k, extra in MMA_SHAPES:
+        if n > 20000:
+            continue  # the lm_head streams long enough to pass
+        ws = weight_copies(n, k, 4, gen)
+        scale = 2.0 if "norm" in extra else 1.0
+        xs = [(scale * torch.randn(k, generator=gen, device=DEV)).to(BF16) for _ in ws]
+        rs = [torch.randn(n, generator=gen, device=DEV).to(BF16) for _ in ws]
+        kw: dict = {"pdl": True}
+        if "norm" in extra:
+            kw.update(norm_weight=nw, eps=EPS)
+        res = "res" in extra
+        x0 = rms_norm(xs[0], nw, EPS) if "norm" in extra else xs[0]
+        ref = ref_qlinear(x0, ws[0], rs[0] if res else None)
+        nbytes = ws[0].nbytes() + 2 * k * (1 + ("norm" in extra)) + n * (2 + 2 * res)
+        floor_us = nbytes / ceil["copy_GBps"] / 1e3
+        shape = name + (f" +{extra}" if extra else "")
+
+        def call(x, w, r, res=res, kw=kw):
+            return qgemv_mma(x, w, residual=r if res else None, **kw)
+
+        variants = {
+            "pdl": [partial(call, x, w, r) for w, x, r in zip(ws, xs, rs, strict=True)],
+            "pdl, one weight (L2)": [partial(call, x, ws[0], r)
+                                     for x, r in zip(xs, rs, strict=True)],
+        }  # fmt: skip
+        for label, calls in variants.items():
+            base = {"op": "qgemv_mma", "shape": shape, "config": label}
+            check = partial(call, xs[0], ws[0], rs[0])
+            attempt(rows, base, partial(gemv_point, calls, check, ref, nbytes, floor_us))
+        rows += size_floor_rows(shape, ws, nbytes, ceil)
         del ws
     return rows
 
@@ -844,6 +909,8 @@ def main() -> None:
                                                 "TFLOPs", "of_floor"]),
         "gemv_mma": (lambda: gemv_mma_rows(ceil, gen), ["op", "shape", "config", "rel_err",
                                                         "us", "GBps", "of_copy"]),
+        "floors": (lambda: floor_rows(ceil, gen), ["op", "shape", "config", "rel_err", "us",
+                                                   "GBps", "of_copy"]),
     }  # fmt: skip
     only = set(args.only.split(","))
     tables = []

@@ -156,9 +156,10 @@ class GpuRunner(Runner):
     def __init__(self, model, chunk: int, use_graphs: bool = True, sample_on_device: bool = True,
                  pdl: bool = True, mma: bool = True):  # fmt: skip
         self.model = model
-        # Programmatic dependent launch for the decode step's GEMVs and MoE (Hopper): each
-        # issues its weight loads while the kernel before it drains (bench: the fused
-        # projection GEMV 10.3 -> 8.6 us, o_proj 4.98 -> 4.36 us). No-op elsewhere.
+        # Programmatic dependent launch for the decode step's GEMVs, DeltaNet step and MoE
+        # (Hopper): each issues its weight (or state) loads while the kernel before it
+        # drains (bench: the fused projection GEMV 10.3 -> 8.6 us, o_proj 4.98 -> 4.36 us;
+        # the whole step at 4K 1.776 -> 1.522 ms). No-op elsewhere.
         self.pdl = pdl
         # 4-bit decode GEMVs on the tensor cores (qgemv_mma; H200, in graphs with PDL:
         # DeltaNet projections 8.67 -> 7.47 us, attention's 7.6 -> 5.81, o_proj 4.38 -> 3.97,
@@ -231,7 +232,7 @@ class GpuRunner(Runner):
                 d, st = pre + "dn.", state.deltanet[i]
                 o = deltanet_decode(*parts, p[d + "conv1d"], st.conv, p[d + "A_log"],
                                     p[d + "dt_bias"], p[d + "norm"], st.recurrent, eps,
-                                    workspace=self.ws)  # fmt: skip
+                                    workspace=self.ws, pdl=self.pdl)  # fmt: skip
                 x = self._out_proj(o, p[d + "out_proj"], x)
             else:
                 at, kv = pre + "attn.", state.kv[i]

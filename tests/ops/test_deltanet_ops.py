@@ -23,7 +23,9 @@ from lily.ops import (
     deltanet_prefill,
     norm_rope,
 )
+from lily.ops.qgemv import qgemv
 from lily.ops.ref_mixer import ref_deltanet
+from lily.quant import quantize
 
 # NOTE: without CUDA, tests/conftest.py sets TRITON_INTERPRET=1 and patches the Triton 3.6
 # interpreter's defects (tests/triton_interp.py) before any kernel module is imported.
@@ -171,6 +173,60 @@ def test_decode_steps_match_one_shot_reference(device):
     ref_out, ref_cs, ref_st = reference(d)
     cs, st = d["conv_state"].clone(), d["state"].clone()
     outs = [run_decode(d, i, cs, st, block_v=16) for i in range(t)]
+    assert rel(torch.stack(outs), ref_out) < 1e-2
+    assert rel(st, ref_st) < 1e-5
+    assert torch.equal(cs.cpu().float(), ref_cs.to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_with_pdl_after_a_pdl_producer(device):
+    """The decode step as the runner chains it: a PDL GEMV writes the step's inputs and the
+    PDL DeltaNet kernel (states loaded before its wait) reads them, six tokens through one
+    CUDA graph on the GPU (eager calls on the CPU, where ``pdl`` is a no-op). Against the
+    reference over the six tokens of the GEMV's own outputs: a state or input read too early
+    would use the previous token's values."""
+    t, hk, hv, kd, vd = 6, 2, 4, 32, 48
+    d = make_inputs(t, hk=hk, hv=hv, kd=kd, vd=vd, device=device, seed=7)
+    c = 2 * hk * kd + hv * vd
+    sizes = [c, hv * vd, hv, hv]
+    gen = torch.Generator().manual_seed(8)
+    w = quantize(torch.randn(sum(sizes), 64, generator=gen) / 8, 4, 64).to(device)
+    xs = torch.randn(t, 64, generator=gen).to(device, torch.bfloat16)
+    ys = torch.stack([qgemv(xs[i], w) for i in range(t)])  # the inputs the step will see
+    parts = ys.split(sizes, dim=-1)
+    ref = dict(d, mixed_qkv=parts[0], z=parts[1], b=parts[2], a=parts[3])
+    ref_out, ref_cs, ref_st = reference(ref)
+    cs, st = d["conv_state"].clone(), d["state"].clone()
+    ws = OPS["dn_decode"].DeltaNetDecodeWorkspace.new(hk, hv, vd, device)
+    x = xs[0].clone()
+
+    def step():
+        qkv, z, b, a = qgemv(x, w, pdl=True).split(sizes)
+        return OPS["dn_decode"].deltanet_decode(
+            qkv, z, b, a, d["conv_weight"], cs, d["A_log"], d["dt_bias"], d["norm_weight"],
+            st, 1e-6, workspace=ws, block_v=16, pdl=True,
+        )  # fmt: skip
+
+    if device == "cuda":
+        cs0, st0 = cs.clone(), st.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()  # compile outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        cs.copy_(cs0)
+        st.copy_(st0)
+    outs = []
+    for i in range(t):
+        x.copy_(xs[i])
+        if device == "cuda":
+            graph.replay()
+            outs.append(out.clone())
+        else:
+            outs.append(step())
     assert rel(torch.stack(outs), ref_out) < 1e-2
     assert rel(st, ref_st) < 1e-5
     assert torch.equal(cs.cpu().float(), ref_cs.to(torch.bfloat16).float())
