@@ -6,6 +6,7 @@ import math
 import time
 
 import pytest
+import torch
 
 from lily.bench.driver import parse_lengths
 from lily.bench.peers import PEERS, PeerSpec, check_available, parse_peers, start_peer
@@ -108,3 +109,34 @@ def test_peer_names_and_a_peer_whose_import_fails(monkeypatch):
     assert start_peer("ghost", {"device": "cpu"}, log=lines.append) is None
     assert lines == ["peer ghost: skipped (Python package 'lily_no_such_module' not installed)"]
     check_available("transformers")  # installed here: no error
+
+
+def test_lily_adapter_times_the_engines_own_loop():
+    """With tokens drawn on the device the adapter times the engine's pipelined loop: the
+    same greedy tokens as synchronous steps, the asked number of timed steps, and the
+    session holds exactly the tokens the model consumed."""
+    from lily.bench.random_model import engine_from_params, model_config, random_params
+    from lily.bench.sweep import LilyAdapter
+    from lily.config import EngineConfig
+    from lily.runtime.generate import ReferenceRunner
+
+    cfg = model_config("tiny")
+    ecfg = EngineConfig(device="cpu", dtype="float32", prefill_chunk=8, max_context=256)
+    eng = engine_from_params(cfg, random_params(cfg, "cpu", dtype=torch.float32), ecfg)
+    ids = list(range(5, 17))
+    sync = LilyAdapter(eng)
+    assert sync.engine.runner.device_decode is None
+    toks = [sync.prefill(ids)]
+    for _ in range(6):
+        toks.append(sync.decode(toks[-1]))
+    eng.runner = ReferenceRunner(eng.model, 8, sample_on_device=True)
+    eng.runner.decode = lambda *a: pytest.fail("a synchronous step in the pipelined loop")
+    piped = LilyAdapter(eng)
+    assert piped.prefill(ids) == toks[0]
+    n, dt = piped.decode_timed(toks[0], 5, math.inf)
+    assert n == 5 and dt > 0
+    # tokens 0..6 went out; the steps that consumed 0..5 ran (none past max_tokens)
+    assert piped.state.tokens == ids + toks[:6]
+    # a deadline already passed still times one step
+    piped.prefill(ids)
+    assert piped.decode_timed(toks[0], 5, 0.0)[0] == 1
