@@ -54,6 +54,10 @@ DN_PREFILL_CONFIGS += [("chunk_par", 32), ("chunk_par", 64), ("chunk_par", 128)]
 SCAN_ALL_UP_TO = 2048  # longer chunks time only the first scan configuration (it is slow)
 ATTN_CONTEXTS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 ATTN_SPLITS = (64, 256, 1024)  # tried beside the plain variant and default_split
+# (context, graph bucket) of decode steps as the runner captures them, and splits tried
+ATTN_BUCKET_POINTS = ((4200, 8192), (7900, 8192), (16500, 32768), (33000, 65536),
+                      (62000, 65536), (66000, 131072), (131200, 135168))  # fmt: skip
+ATTN_BUCKET_SPLITS = (64, 128, 256, 512, 1024)
 ATTN_PREFILL_SHAPES = ((512, 0), (2048, 0), (8192, 0), (512, 1536), (2048, 30720))  # T, start
 # block_m, block_n, warps (the default first)
 ATTN_PREFILL_CONFIGS = [(128, 64, 8), (64, 32, 4), (64, 64, 8), (32, 64, 4), (128, 32, 8),
@@ -261,6 +265,46 @@ def attn_decode(gen: torch.Generator, copy_gbs: float) -> list[dict]:
     return rows
 
 
+def attn_bucket(gen: torch.Generator, copy_gbs: float) -> list[dict]:
+    """Split sizes as the runner's decode graphs see them: a graph is captured per context
+    bucket (``max_len``, the next power of two), so the split is fixed while the length
+    runs from half the bucket to all of it. Each point: ``ctx`` rows in a graph of 10
+    layers built for ``max_len``."""
+    rows = []
+    inv_freq = rope_inv_freq(R, THETA, DEV)
+    for ctx, max_len in ATTN_BUCKET_POINTS:
+        pos = torch.tensor([ctx - 1], device=DEV, dtype=torch.int32)
+        layers = [attn_inputs(1, max_len, gen, ctx - 1) for _ in range(ATTN_LAYERS)]
+        ref_out = ref_attention(*attn_args(layers[0]), ctx - 1, R, THETA)[0][0]
+        # ref_attention reads caches up to the position only (the rest is zeros)
+        nbytes = 2 * HKV * ctx * DH * 2
+
+        def measure(split: int, layers=layers, pos=pos, ref_out=ref_out, max_len=max_len,
+                    nbytes=nbytes):  # fmt: skip
+            kw = {"split": split, "max_len": max_len}
+
+            def step():
+                for x in layers:
+                    attention_decode(*attn_args(x, 0), pos, inv_freq, **kw)
+
+            err = rel(attention_decode(*attn_args(layers[0], 0), pos, inv_freq, **kw), ref_out)
+            us = graph_ms(step) * 1e3 / ATTN_LAYERS
+            gbs = nbytes / us / 1e3
+            row = {"us_per_layer": us, "GBps": gbs, "frac_copy": gbs / copy_gbs, "rel_err": err}
+            row["kernels_us"] = kernel_times(
+                lambda: attention_decode(*attn_args(layers[0], 0), pos, inv_freq, **kw)
+            )
+            return row
+
+        for split in dict.fromkeys([default_split(max_len), *ATTN_BUCKET_SPLITS]):
+            base = {"op": "attn_bucket", "ctx": ctx, "max_len": max_len, "split": split,
+                    "default": split == default_split(max_len)}  # fmt: skip
+            attempt(rows, base, lambda s=split, f=measure: f(s))
+        del layers
+        torch.cuda.empty_cache()
+    return rows
+
+
 def attn_prefill(gen: torch.Generator, mm_tflops: float) -> list[dict]:
     rows = []
     inv_freq = rope_inv_freq(R, THETA, DEV)
@@ -450,6 +494,8 @@ def crossover(rows: list[dict]) -> str:
 SECTIONS = {
     "dn_decode": ["block_v", "num_warps", "us_per_layer", "GBps", "frac_copy", "rel_err"],
     "attn_decode": ["ctx", "split", "us_per_layer", "GBps", "frac_copy", "rel_err"],
+    "attn_bucket": ["ctx", "max_len", "split", "default", "us_per_layer", "frac_copy",
+                    "rel_err", "kernels_us"],
     "dn_prefill": ["T", "method", "block_v", "ms", "ms_eager", "ms_30_layers", "rel_err"],
     "attn_prefill": ["T", "start", "block_m", "block_n", "num_warps", "ms", "ms_eager", "TFLOPs",
                      "rel_err"],
@@ -515,6 +561,7 @@ def main() -> None:
     run = {
         "dn_decode": lambda: dn_decode(gen, ceil["copy_GBps"]),
         "attn_decode": lambda: attn_decode(gen, ceil["copy_GBps"]),
+        "attn_bucket": lambda: attn_bucket(gen, ceil["copy_GBps"]),
         "dn_prefill": lambda: dn_prefill(gen, dn_t),
         "attn_prefill": lambda: attn_prefill(gen, ceil["bf16_matmul_TFLOPs"]),
         "attn_split": lambda: attn_split(gen, ceil["bf16_matmul_TFLOPs"]),

@@ -113,21 +113,24 @@ def _attn_decode_kernel(
 @triton.jit
 def _combine_kernel(
     qg, p_pos, o_part, lse_part, out, NB, split, H: tl.constexpr, HKV: tl.constexpr,
-    DH: tl.constexpr, BB: tl.constexpr, BD: tl.constexpr,
+    DH: tl.constexpr, BB: tl.constexpr, BDC: tl.constexpr,
 ):  # fmt: skip
-    i_h = tl.program_id(0)
+    # Grid (heads, Dh / BDC): each program merges BB blocks a step for BDC dims of a head,
+    # so at long contexts (hundreds of blocks) the merge is a few wide steps in many
+    # programs, not a long chain of dependent loads in a few.
+    i_h, i_c = tl.program_id(0), tl.program_id(1)
     G: tl.constexpr = H // HKV
     i_kvh, i_g = i_h // G, i_h % G
     # Capped at the blocks the main kernel had (a position past max_len must not send
     # the combine into another head's partials).
     n_blocks = tl.minimum(tl.cdiv(tl.load(p_pos).to(tl.int32) + 1, split), NB)
-    o_d = tl.arange(0, BD)
+    o_d = i_c * BDC + tl.arange(0, BDC)
     m_d = o_d < DH
     b_gate = tl.load(qg + i_h * (2 * DH) + DH + o_d, mask=m_d, other=0.0).to(tl.float32)
     # running max over the blocks' log-sum-exps (base 2); the first block is always valid
     b_m = tl.full([1], float("-inf"), dtype=tl.float32)
     b_s = tl.zeros([1], dtype=tl.float32)
-    b_acc = tl.zeros([BD], dtype=tl.float32)
+    b_acc = tl.zeros([BDC], dtype=tl.float32)
     for b0 in range(0, n_blocks, BB):
         o_b = b0 + tl.arange(0, BB)
         m_b = o_b < n_blocks
@@ -152,9 +155,19 @@ def _check(cond: bool, msg) -> None:
 
 
 def default_split(max_len: int) -> int:
-    """Rows per split block, from the H200 sweep (run 1, 10 layers per CUDA graph): 64 up
-    to 4K context, 256 up to 32K, 1024 beyond (75% of copy bandwidth at 128K)."""
-    return 64 if max_len <= 4096 else 256 if max_len <= 32768 else 1024
+    """Rows per split block for a graph built for ``max_len`` rows (the runner's context
+    bucket: the length runs from half of it to all of it). From the H200 sweeps (10 layers
+    per CUDA graph; bench/results/attn_bucket_h200_run1.json): bucket 8K 128 (13.7-14.8
+    us a layer against 17.6-18.6 at 256), 32K 256, 64K 512 (31.1-43.2 us against 43.8-48.2
+    at 1024), beyond 1024 (bucket 128K: 512 wins by 1.4 us at 66K rows, loses by 11 at
+    131K; 85% of copy there); 64 up to 4K (run 1)."""
+    if max_len <= 4096:
+        return 64
+    if max_len <= 16384:
+        return 128
+    if max_len <= 32768:
+        return 256
+    return 512 if max_len <= 65536 else 1024
 
 
 def attention_decode(
@@ -186,6 +199,12 @@ def attention_decode(
     with blocks of ``split`` rows (default ``default_split(max_len)``; 0 forces the plain
     variant, which was slower than split-KV from 256 context on in the H200 sweep). Returns
     (H*Dh,) in qg's dtype.
+
+    NOTE: no programmatic dependent launch here: with it (the kernels and the output
+    projection after them launched early) the decode step was slower at every context
+    (H200: 4K 1.467 -> 1.487 ms, 32K 1.641 -> 1.703, 128K 2.074 -> 2.171;
+    bench/results/decode_timeline_h200_run2.json): the next kernel's early programs take
+    the SM slots this kernel's many split blocks need.
     """
     _check(
         k_cache.dim() == 3
@@ -272,7 +291,8 @@ def attention_decode(
         num_stages=num_stages,
     )
     if split:
-        _combine_kernel[(h,)](
+        bdc = min(64, pow2(dh))
+        _combine_kernel[(h, cdiv(dh, bdc))](
             qg,
             pos,
             o_part,
@@ -283,8 +303,8 @@ def attention_decode(
             H=h,
             HKV=hkv,
             DH=dh,
-            BB=16,
-            BD=pow2(dh),
+            BB=min(64, pow2(nb)),
+            BDC=bdc,
             num_warps=4,
         )
     return out

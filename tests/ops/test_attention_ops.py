@@ -130,8 +130,7 @@ def test_decode_matches_reference(device, length, split):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_group_of_8_fp32_plain_and_split_agree(device):
-    """The real GQA group (8 query heads per KV head); 300 rows = 19 split blocks, more
-    than the combine kernel takes per step."""
+    """The real GQA group (8 query heads per KV head); 300 rows = 19 split blocks."""
     d = make_inputs(1, 320, h=16, dtype=torch.float32, device=device, seed=3)
     fill_cache(d, 299)
     ref_out, _, _ = reference(d, 299, slice(0, 1))
@@ -139,6 +138,18 @@ def test_decode_group_of_8_fp32_plain_and_split_agree(device):
     out_plain = decode(d, 0, 299, split=0, block_n=64)  # rewrites the same row
     assert rel(out_split, ref_out[0]) < DOT_F32_TOL
     assert rel(out_plain, ref_out[0]) < DOT_F32_TOL
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_split_combine_in_steps_and_dim_chunks(device):
+    """A long split: 1,050 rows in 66 blocks of 16 (the combine takes 64 blocks a step, so
+    two steps), head dim 96 (the combine's programs take 64 dims each: a full chunk and a
+    masked one)."""
+    d = make_inputs(1, 1100, dh=96, dtype=torch.float32, device=device, seed=4)
+    fill_cache(d, 1049)
+    ref_out, _, _ = reference(d, 1049, slice(0, 1))
+    out = decode(d, 0, 1049, split=16, block_n=16)
+    assert rel(out, ref_out[0]) < DOT_F32_TOL
 
 
 @pytest.mark.parametrize("device", DEVICES)
