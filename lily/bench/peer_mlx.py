@@ -9,6 +9,7 @@ generate does, evaluating only the cache state between chunks.
 from __future__ import annotations
 
 import importlib.metadata
+import time
 
 import numpy as np
 import torch
@@ -63,6 +64,30 @@ class MlxAdapter(BenchAdapter):
 
     def decode(self, token: int) -> int:
         return int(self.mx.argmax(self._step([token])[0, -1]).item())
+
+    def _next(self, tok):
+        """The greedy next token of the (1,) token array ``tok``, lazily (not evaluated)."""
+        return self.mx.argmax(self.model(tok[None], cache=self.cache)[0, -1], keepdims=True)
+
+    def decode_timed(self, token: int, n: int, deadline: float) -> tuple[int, float]:
+        """mlx_lm's own generation loop (``generate_step``): the step for the next token
+        is built and queued (``async_eval``) before the host waits for the current one.
+        ``self.timed`` keeps the tokens the timed steps produced."""
+        mx = self.mx
+        y = self._next(mx.array([token]))
+        mx.async_eval(y)
+        nxt = self._next(y)
+        mx.async_eval(nxt)
+        y.item()  # untimed
+        t1 = time.perf_counter()
+        self.timed = []
+        while len(self.timed) < n and (not self.timed or time.perf_counter() < deadline):
+            y, nxt = nxt, self._next(nxt)
+            mx.async_eval(nxt)
+            self.timed.append(int(y.item()))
+        dt = time.perf_counter() - t1
+        mx.eval(nxt)  # the step queued ahead: the cache must not be left mid-update
+        return len(self.timed), dt
 
     def score(self, ids: list[int]) -> torch.Tensor:
         mx = self.mx

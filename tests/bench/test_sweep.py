@@ -140,3 +140,19 @@ def test_lily_adapter_times_the_engines_own_loop():
     # a deadline already passed still times one step
     piped.prefill(ids)
     assert piped.decode_timed(toks[0], 5, 0.0)[0] == 1
+
+
+def test_mlx_adapter_times_its_own_pipelined_loop(mlx4_dir):
+    """The MLX-LM peer's timed decode (its generate_step pattern: one step queued ahead)
+    gives the same greedy tokens as synchronous steps, and the asked number of them."""
+    from lily.bench.peer_mlx import MlxAdapter
+
+    a = MlxAdapter({"kind": "dir", "path": str(mlx4_dir), "dtype": "float32"})
+    ids = list(range(5, 17))
+    toks = [a.prefill(ids)]
+    for _ in range(7):
+        toks.append(a.decode(toks[-1]))
+    assert a.prefill(ids) == toks[0]
+    n, dt = a.decode_timed(toks[0], 5, math.inf)
+    assert n == 5 and dt > 0
+    assert a.timed == toks[2:7]  # token 1 came from the untimed step
