@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from datetime import UTC, datetime
+from functools import partial
 
 import torch
 import triton
@@ -230,76 +231,59 @@ def attn_args(d: dict, row: int | None = None) -> list:
     return [d[k] if row is None or "norm" in k or "cache" in k else d[k][row] for k in ATTN_ARGS]
 
 
+def attn_point(layers, pos, inv_freq, ref_out, kw: dict, nbytes: int, copy_gbs: float,
+               kernels: bool) -> dict:  # fmt: skip
+    """One attention decode configuration: checked on layer 0, then timed as a graph over
+    all layers (us a layer); with ``kernels`` also each kernel's device time."""
+
+    def step():
+        for x in layers:
+            attention_decode(*attn_args(x, 0), pos, inv_freq, **kw)
+
+    err = rel(attention_decode(*attn_args(layers[0], 0), pos, inv_freq, **kw), ref_out)
+    us = graph_ms(step) * 1e3 / ATTN_LAYERS
+    gbs = nbytes / us / 1e3
+    row = {"us_per_layer": us, "GBps": gbs, "frac_copy": gbs / copy_gbs, "rel_err": err}
+    if kernels:
+        row["kernels_us"] = kernel_times(
+            lambda: attention_decode(*attn_args(layers[0], 0), pos, inv_freq, **kw)
+        )
+    return row
+
+
 def attn_decode(gen: torch.Generator, copy_gbs: float) -> list[dict]:
-    rows = []
-    inv_freq = rope_inv_freq(R, THETA, DEV)
-    for ctx in ATTN_CONTEXTS:
-        pos = torch.tensor([ctx - 1], device=DEV, dtype=torch.int32)
-        layers = [attn_inputs(1, ctx, gen, ctx - 1) for _ in range(ATTN_LAYERS)]
-        ref_out = ref_attention(*attn_args(layers[0]), ctx - 1, R, THETA)[0][0]
-
-        def measure(split: int, layers=layers, pos=pos, ref_out=ref_out, ctx=ctx) -> dict:
-            kw = {"split": split, "max_len": ctx}
-            nbytes = 2 * HKV * ctx * DH * 2  # K and V rows read per layer
-
-            def step():
-                for x in layers:
-                    attention_decode(*attn_args(x, 0), pos, inv_freq, **kw)
-
-            err = rel(attention_decode(*attn_args(layers[0], 0), pos, inv_freq, **kw), ref_out)
-            us = graph_ms(step) * 1e3 / ATTN_LAYERS
-            gbs = nbytes / us / 1e3
-            row = {"us_per_layer": us, "GBps": gbs, "frac_copy": gbs / copy_gbs, "rel_err": err}
-            if split == default_split(ctx):  # which of the two kernels costs what
-                row["kernels_us"] = kernel_times(
-                    lambda: attention_decode(*attn_args(layers[0], 0), pos, inv_freq, **kw)
-                )
-            return row
-
-        splits = [0, default_split(ctx)] + [s for s in ATTN_SPLITS if s < ctx]
-        for split in dict.fromkeys(splits):
-            base = {"op": "attn_decode", "ctx": ctx, "split": split}
-            attempt(rows, base, lambda s=split, f=measure: f(s))
-        del layers
-        torch.cuda.empty_cache()
-    return rows
+    return attn_points(gen, copy_gbs, [(ctx, ctx) for ctx in ATTN_CONTEXTS], ATTN_SPLITS,
+                       "attn_decode")  # fmt: skip
 
 
 def attn_bucket(gen: torch.Generator, copy_gbs: float) -> list[dict]:
     """Split sizes as the runner's decode graphs see them: a graph is captured per context
     bucket (``max_len``, the next power of two), so the split is fixed while the length
-    runs from half the bucket to all of it. Each point: ``ctx`` rows in a graph of 10
-    layers built for ``max_len``."""
+    runs from half the bucket to all of it."""
+    return attn_points(gen, copy_gbs, ATTN_BUCKET_POINTS, ATTN_BUCKET_SPLITS, "attn_bucket")
+
+
+def attn_points(gen: torch.Generator, copy_gbs: float, points, splits, op: str) -> list[dict]:
+    """Each (ctx, max_len) point: ``ctx`` rows in a graph of 10 layers built for
+    ``max_len``, at the default split and ``splits`` (and the plain variant when
+    ctx == max_len, as run 1 measured it)."""
     rows = []
     inv_freq = rope_inv_freq(R, THETA, DEV)
-    for ctx, max_len in ATTN_BUCKET_POINTS:
+    for ctx, max_len in points:
         pos = torch.tensor([ctx - 1], device=DEV, dtype=torch.int32)
         layers = [attn_inputs(1, max_len, gen, ctx - 1) for _ in range(ATTN_LAYERS)]
         ref_out = ref_attention(*attn_args(layers[0]), ctx - 1, R, THETA)[0][0]
-        # ref_attention reads caches up to the position only (the rest is zeros)
-        nbytes = 2 * HKV * ctx * DH * 2
-
-        def measure(split: int, layers=layers, pos=pos, ref_out=ref_out, max_len=max_len,
-                    nbytes=nbytes):  # fmt: skip
+        nbytes = 2 * HKV * ctx * DH * 2  # K and V rows read per layer
+        default = default_split(max_len)
+        tried = [0] if ctx == max_len else []
+        tried += [default] + [s for s in splits if s < max_len]
+        for split in dict.fromkeys(tried):
+            base = {"op": op, "ctx": ctx, "max_len": max_len, "split": split,
+                    "default": split == default}  # fmt: skip
             kw = {"split": split, "max_len": max_len}
-
-            def step():
-                for x in layers:
-                    attention_decode(*attn_args(x, 0), pos, inv_freq, **kw)
-
-            err = rel(attention_decode(*attn_args(layers[0], 0), pos, inv_freq, **kw), ref_out)
-            us = graph_ms(step) * 1e3 / ATTN_LAYERS
-            gbs = nbytes / us / 1e3
-            row = {"us_per_layer": us, "GBps": gbs, "frac_copy": gbs / copy_gbs, "rel_err": err}
-            row["kernels_us"] = kernel_times(
-                lambda: attention_decode(*attn_args(layers[0], 0), pos, inv_freq, **kw)
-            )
-            return row
-
-        for split in dict.fromkeys([default_split(max_len), *ATTN_BUCKET_SPLITS]):
-            base = {"op": "attn_bucket", "ctx": ctx, "max_len": max_len, "split": split,
-                    "default": split == default_split(max_len)}  # fmt: skip
-            attempt(rows, base, lambda s=split, f=measure: f(s))
+            kernels = split == default or op == "attn_bucket"
+            attempt(rows, base, partial(attn_point, layers, pos, inv_freq, ref_out, kw, nbytes,
+                                        copy_gbs, kernels))  # fmt: skip
         del layers
         torch.cuda.empty_cache()
     return rows

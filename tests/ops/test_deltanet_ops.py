@@ -26,6 +26,7 @@ from lily.ops import (
 from lily.ops.qgemv import qgemv
 from lily.ops.ref_mixer import ref_deltanet
 from lily.quant import quantize
+from tests.ops.common import capture
 
 # NOTE: without CUDA, tests/conftest.py sets TRITON_INTERPRET=1 and patches the Triton 3.6
 # interpreter's defects (tests/triton_interp.py) before any kernel module is imported.
@@ -209,14 +210,7 @@ def test_decode_with_pdl_after_a_pdl_producer(device):
 
     if device == "cuda":
         cs0, st0 = cs.clone(), st.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()  # compile outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step()
+        graph, out = capture(step)
         cs.copy_(cs0)
         st.copy_(st0)
     outs = []

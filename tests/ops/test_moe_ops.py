@@ -26,7 +26,7 @@ from lily.ops.moe_prefill import MoePrefillConfig, moe_prefill, moe_prefill_conf
 from lily.ops.qgemm import GemmConfig  # noqa: E402
 from lily.ops.ref_linear import ref_moe, ref_qlinear, ref_route  # noqa: E402
 from lily.quant import quantize  # noqa: E402
-from tests.ops.common import rel_err  # noqa: E402
+from tests.ops.common import capture, rel_err  # noqa: E402
 
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 D, I_E, I_S = 192, 64, 128
@@ -124,14 +124,7 @@ def test_moe_decode_replays_on_new_tokens(device):
         return moe_decode(x, *w.values(), 2, x, norm_weight=nw, config=WIDE, pdl=True)
 
     if device == "cuda":
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            call()  # compile outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = call()
+        graph, out = capture(call)
     for i in (1, 2):
         x.copy_(xs[i])
         if device == "cuda":

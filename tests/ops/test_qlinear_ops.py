@@ -23,7 +23,7 @@ from lily.ops.qgemm import GemmConfig, gemm_config, qgemm  # noqa: E402
 from lily.ops.qgemv import GemvConfig, gemv_config, qgemv  # noqa: E402
 from lily.ops.ref_linear import ref_qlinear  # noqa: E402
 from lily.quant import QuantWeight, quantize  # noqa: E402
-from tests.ops.common import rel_err  # noqa: E402
+from tests.ops.common import capture, rel_err  # noqa: E402
 
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 
@@ -88,14 +88,7 @@ def test_qgemv_split_k_replays(device):
         return qgemv(h, w, norm_weight=nw, config=cfg, out_dtype=torch.float32, pdl=True)
 
     if device == "cuda":
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            chain()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y = chain()
+        graph, y = capture(chain)
     for i in (1, 2):
         x.copy_(xs[i])
         if device == "cuda":
