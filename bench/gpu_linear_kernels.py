@@ -51,7 +51,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from lily.bench.measure import attempt, kernel_times
+from lily.bench.measure import attempt, capture_graph, kernel_times
 from lily.model.norm import rms_norm
 from lily.ops.moe_decode import MoeDecodeConfig, moe_decode
 from lily.ops.moe_prefill import MoePrefillConfig, moe_prefill, moe_prefill_config
@@ -136,17 +136,12 @@ def bench_ms(fn) -> float:
 
 def graph_ms(fns: list) -> float:
     """Median time of one call, from a CUDA graph of ``fns`` called back to back."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+
+    def calls():
         for f in fns:
             f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    return bench_ms(graph.replay) / len(fns)
+
+    return bench_ms(capture_graph(calls)[0].replay) / len(fns)
 
 
 def cfg_str(cfg) -> str:
@@ -488,14 +483,7 @@ def decode_point(calls: list, check, ref, nbytes: float, floor_us: float) -> dic
 def decode_replay(args, xs, rs, nw) -> dict:
     """Captured once (with PDL), replayed on a new token written into the captured input."""
     x, r = xs[1].clone(), rs[1].clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        moe_decode(x, *args, TOP_K, r, norm_weight=nw, pdl=True)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = moe_decode(x, *args, TOP_K, r, norm_weight=nw, pdl=True)
+    graph, out = capture_graph(lambda: moe_decode(x, *args, TOP_K, r, norm_weight=nw, pdl=True))
     x.copy_(xs[2])
     r.copy_(rs[2])
     graph.replay()

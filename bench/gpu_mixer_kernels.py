@@ -33,7 +33,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from lily.bench.measure import attempt, kernel_times
+from lily.bench.measure import attempt, capture_graph, kernel_times
 from lily.ops.attention_decode import attention_decode, default_split
 from lily.ops.attention_prefill import attention_prefill, flash_per_sm, flash_split
 from lily.ops.deltanet_decode import DeltaNetDecodeWorkspace, deltanet_decode
@@ -88,15 +88,7 @@ def bench_ms(fn) -> float:
 
 def graph_ms(fn) -> float:
     """Median time of one replay of ``fn`` captured in a CUDA graph (fn run before)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return bench_ms(graph.replay)
+    return bench_ms(capture_graph(fn)[0].replay)
 
 
 def ceilings() -> dict:

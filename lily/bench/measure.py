@@ -289,3 +289,19 @@ def kernel_times(fn, reps: int = 5, key_width: int | None = None) -> dict[str, f
         return {k[:key_width]: round(v, 2) for k, v in times.items() if v > 0}
     except Exception as e:  # noqa: BLE001 - the breakdown is an extra; never fail for it
         return {"error": f"{type(e).__name__}: {e}"[:200]}
+
+
+def capture_graph(fn):
+    """``fn`` captured in a CUDA graph after one warm-up call on a side stream (it compiles
+    kernels and settles the allocator outside the capture); returns (graph, what the
+    captured call returned). The warm-up really runs: callers restore any state it
+    changed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out

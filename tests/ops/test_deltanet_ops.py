@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lily.bench.measure import capture_graph
 from lily.ops import (
     attention_decode,
     attention_prefill,
@@ -26,7 +27,6 @@ from lily.ops import (
 from lily.ops.qgemv import qgemv
 from lily.ops.ref_mixer import ref_deltanet
 from lily.quant import quantize
-from tests.ops.common import capture
 
 # NOTE: without CUDA, tests/conftest.py sets TRITON_INTERPRET=1 and patches the Triton 3.6
 # interpreter's defects (tests/triton_interp.py) before any kernel module is imported.
@@ -210,7 +210,7 @@ def test_decode_with_pdl_after_a_pdl_producer(device):
 
     if device == "cuda":
         cs0, st0 = cs.clone(), st.clone()
-        graph, out = capture(step)
+        graph, out = capture_graph(step)
         cs.copy_(cs0)
         st.copy_(st0)
     outs = []

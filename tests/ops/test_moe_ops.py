@@ -20,13 +20,14 @@ if not torch.cuda.is_available():
     # Kernels are built at import; tests/conftest.py normally sets this first.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from lily.bench.measure import capture_graph  # noqa: E402
 from lily.model.norm import rms_norm  # noqa: E402
 from lily.ops.moe_decode import MoeDecodeConfig, moe_decode, topk_rows  # noqa: E402
 from lily.ops.moe_prefill import MoePrefillConfig, moe_prefill, moe_prefill_config  # noqa: E402
 from lily.ops.qgemm import GemmConfig  # noqa: E402
 from lily.ops.ref_linear import ref_moe, ref_qlinear, ref_route  # noqa: E402
 from lily.quant import quantize  # noqa: E402
-from tests.ops.common import capture, rel_err  # noqa: E402
+from tests.ops.common import rel_err  # noqa: E402
 
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 D, I_E, I_S = 192, 64, 128
@@ -124,7 +125,7 @@ def test_moe_decode_replays_on_new_tokens(device):
         return moe_decode(x, *w.values(), 2, x, norm_weight=nw, config=WIDE, pdl=True)
 
     if device == "cuda":
-        graph, out = capture(call)
+        graph, out = capture_graph(call)
     for i in (1, 2):
         x.copy_(xs[i])
         if device == "cuda":

@@ -18,12 +18,13 @@ if not torch.cuda.is_available():
     # Kernels are built at import; tests/conftest.py normally sets this first.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from lily.bench.measure import capture_graph  # noqa: E402
 from lily.model.norm import rms_norm  # noqa: E402
 from lily.ops.qgemm import GemmConfig, gemm_config, qgemm  # noqa: E402
 from lily.ops.qgemv import GemvConfig, gemv_config, qgemv  # noqa: E402
 from lily.ops.ref_linear import ref_qlinear  # noqa: E402
 from lily.quant import QuantWeight, quantize  # noqa: E402
-from tests.ops.common import capture, rel_err  # noqa: E402
+from tests.ops.common import rel_err  # noqa: E402
 
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 
@@ -88,7 +89,7 @@ def test_qgemv_split_k_replays(device):
         return qgemv(h, w, norm_weight=nw, config=cfg, out_dtype=torch.float32, pdl=True)
 
     if device == "cuda":
-        graph, y = capture(chain)
+        graph, y = capture_graph(chain)
     for i in (1, 2):
         x.copy_(xs[i])
         if device == "cuda":
