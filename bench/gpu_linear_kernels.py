@@ -28,9 +28,11 @@ reference in lily.ops.ref_linear on fresh random inputs and timed:
    token tile swept: TFLOP/s, the expert-load histogram, graph against eager time (host
    overhead) and device time per launch at 256 and 4096 tokens; a stress row: chunks of
    4096 with NaN tokens and skew in a row (the 32K prefill's illegal memory access);
-5. ``gemv_mma`` (not in the default ``--only``): the tensor-core GEMV qgemv_mma next to
-   qgemv on the decode shapes (plain, fused norm, residual, lm_head with fp32 out), both
-   with and without PDL, in CUDA graphs as in 1., plus qgemv_mma tile variants.
+5. ``gemv_mma``: the tensor-core GEMV qgemv_mma (the runner's decode GEMV) next to qgemv
+   on the decode shapes (plain, fused norm, residual, lm_head with fp32 out), both with
+   and without PDL, in CUDA graphs as in 1., plus qgemv_mma tile variants;
+6. ``floors``: qgemv_mma with PDL over distinct weights and over one (L2-resident) weight,
+   next to what one torch copy kernel of the same bytes reaches in the same harness.
 ``do_bench`` medians flush L2 between runs. A configuration that fails is a row with its
 error. Prints compact tables (again all together at the end); the JSON holds every number.
 """
@@ -852,7 +854,7 @@ def table(rows: list[dict], cols: list[str]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="JSON file to write")
-    ap.add_argument("--only", default="gemv,fused,gemm,moe_decode,moe_prefill")
+    ap.add_argument("--only", default="gemv,fused,gemv_mma,floors,gemm,moe_decode,moe_prefill")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="table tiles only, no sweeps")
     ap.add_argument(
