@@ -9,7 +9,7 @@ GQA packing: one program serves all G query heads of a KV head (padded to 16 row
 tensor cores), so each KV row is read once. Two variants:
 - plain: grid (Hkv,), each program walks the whole cache;
 - split: grid (Hkv, blocks): fixed blocks of ``split`` rows in parallel, each leaving a
-  normalised partial output and its log-sum-exp; ``_combine_kernel`` merges them and
+  normalised partial output and its log-sum-exp; ``_attn_combine_kernel`` merges them and
   applies the output gate.
 The position is read from a device tensor, so a step can be captured in a CUDA graph; only
 ``max_len`` (a host bound on pos+1 that sizes the split grid) must stay fixed per graph.
@@ -111,7 +111,7 @@ def _attn_decode_kernel(
 
 @launched
 @triton.jit
-def _combine_kernel(
+def _attn_combine_kernel(
     qg, p_pos, o_part, lse_part, out, NB, split, H: tl.constexpr, HKV: tl.constexpr,
     DH: tl.constexpr, BB: tl.constexpr, BDC: tl.constexpr,
 ):  # fmt: skip
@@ -292,7 +292,7 @@ def attention_decode(
     )
     if split:
         bdc = min(64, pow2(dh))
-        _combine_kernel[(h, cdiv(dh, bdc))](
+        _attn_combine_kernel[(h, cdiv(dh, bdc))](
             qg,
             pos,
             o_part,
