@@ -361,7 +361,7 @@ def size_floor_rows(name: str, ws: list[QuantWeight], nbytes: float, ceil: dict)
         def point(calls=calls, moved=moved):
             us = graph_ms(calls) * 1e3
             gbps = moved * wbytes / us / 1e3
-            return {"us": us, "GBps": gbps, "of_copy": gbps / ceil["copy_GBps"],
+            return {"us": us, "GBps": gbps, "frac_copy": gbps / ceil["copy_GBps"],
                     "gemv_bytes_us": nbytes / gbps / 1e3}  # fmt: skip
 
         attempt(rows, base, point)
@@ -900,7 +900,7 @@ def main() -> None:
         "gemv_mma": (lambda: gemv_mma_rows(ceil, gen), ["op", "shape", "config", "rel_err",
                                                         "us", "GBps", "of_copy"]),
         "floors": (lambda: floor_rows(ceil, gen), ["op", "shape", "config", "rel_err", "us",
-                                                   "GBps", "of_copy"]),
+                                                   "GBps", "of_copy", "frac_copy"]),
     }  # fmt: skip
     only = set(args.only.split(","))
     tables = []
