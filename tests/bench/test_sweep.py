@@ -137,9 +137,12 @@ def test_lily_adapter_times_the_engines_own_loop():
     assert n == 5 and dt > 0
     # tokens 0..6 went out; the steps that consumed 0..5 ran (none past max_tokens)
     assert piped.state.tokens == ids + toks[:6]
-    # a deadline already passed still times one step
+    # a deadline already passed still times one step; a session after that cut is whole
     piped.prefill(ids)
     assert piped.decode_timed(toks[0], 5, 0.0)[0] == 1
+    assert piped.prefill(ids) == toks[0]
+    assert piped.decode_timed(toks[0], 3, math.inf)[0] == 3
+    assert piped.state.tokens == ids + toks[:4]
 
 
 def test_mlx_adapter_times_its_own_pipelined_loop(mlx4_dir):
