@@ -46,6 +46,7 @@ import math
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
 
@@ -280,6 +281,43 @@ def fused_rows(ceil: dict, gen: torch.Generator) -> list[dict]:
     return rows
 
 
+@dataclass
+class MmaCase:
+    """One decode GEMV shape with its inputs: weight copies (enough to stream from HBM),
+    rows x and residuals, the launcher's keywords (norm, out dtype), the fp32 reference of
+    the first call, and the bytes it must read with their floor at the copy rate."""
+
+    ws: list
+    xs: list
+    rs: list
+    kw: dict
+    res: bool
+    ref: torch.Tensor
+    nbytes: int
+    floor_us: float
+    suffix: str
+
+
+def mma_case(n: int, k: int, extra: str, nw, ceil: dict, gen: torch.Generator) -> MmaCase:
+    """The inputs of an MMA_SHAPES row (``extra``: "norm", "res", "fp32")."""
+    ws = weight_copies(n, k, 4, gen)
+    scale = 2.0 if "norm" in extra else 1.0
+    xs = [(scale * torch.randn(k, generator=gen, device=DEV)).to(BF16) for _ in ws]
+    rs = [torch.randn(n, generator=gen, device=DEV).to(BF16) for _ in ws]
+    kw: dict = {}
+    if "norm" in extra:
+        kw.update(norm_weight=nw, eps=EPS)
+    if "fp32" in extra:
+        kw["out_dtype"] = torch.float32
+    res = "res" in extra
+    x0 = rms_norm(xs[0], nw, EPS) if "norm" in extra else xs[0]
+    ref = ref_qlinear(x0, ws[0], rs[0] if res else None)
+    out_bytes = 4 if "fp32" in extra else 2
+    nbytes = ws[0].nbytes() + 2 * k * (1 + ("norm" in extra)) + n * (out_bytes + 2 * res)
+    return MmaCase(ws, xs, rs, kw, res, ref, nbytes, nbytes / ceil["copy_GBps"] / 1e3,
+                   f" +{extra}" if extra else "")  # fmt: skip
+
+
 def mma_after_rmsnorm(x, w, *, norm_weight, eps, pdl=False, **kw):
     """rmsnorm kernel, then qgemv_mma on the normed row: one launch more, but the statistics
     once instead of in each of the (7,760 for the lm_head) programs."""
@@ -294,21 +332,8 @@ def gemv_mma_rows(ceil: dict, gen: torch.Generator) -> list[dict]:
     rows: list[dict] = []
     nw = norm_weight(gen)
     for name, n, k, extra in MMA_SHAPES:
-        ws = weight_copies(n, k, 4, gen)
-        scale = 2.0 if "norm" in extra else 1.0
-        xs = [(scale * torch.randn(k, generator=gen, device=DEV)).to(BF16) for _ in ws]
-        rs = [torch.randn(n, generator=gen, device=DEV).to(BF16) for _ in ws]
-        kw: dict = {}
-        if "norm" in extra:
-            kw.update(norm_weight=nw, eps=EPS)
-        if "fp32" in extra:
-            kw["out_dtype"] = torch.float32
-        res = "res" in extra
-        x0 = rms_norm(xs[0], nw, EPS) if "norm" in extra else xs[0]
-        ref = ref_qlinear(x0, ws[0], rs[0] if res else None)
-        out_bytes = 4 if "fp32" in extra else 2
-        nbytes = ws[0].nbytes() + 2 * k * (1 + ("norm" in extra)) + n * (out_bytes + 2 * res)
-        floor_us = nbytes / ceil["copy_GBps"] / 1e3
+        c = mma_case(n, k, extra, nw, ceil, gen)
+        ws, xs, rs, kw, res = c.ws, c.xs, c.rs, c.kw, c.res
         variants = [
             ("qgemv", qgemv, None, False),
             ("qgemv", qgemv, None, True),
@@ -324,7 +349,7 @@ def gemv_mma_rows(ceil: dict, gen: torch.Generator) -> list[dict]:
             )
             base = {
                 "op": op,
-                "shape": name + (f" +{extra}" if extra else ""),
+                "shape": name + c.suffix,
                 "N": n,
                 "K": k,
                 "bits": 4,
@@ -338,8 +363,8 @@ def gemv_mma_rows(ceil: dict, gen: torch.Generator) -> list[dict]:
 
             calls = [partial(call, x, w, r) for w, x, r in zip(ws, xs, rs, strict=True)]
             check = partial(call, xs[0], ws[0], rs[0])
-            attempt(rows, base, partial(gemv_point, calls, check, ref, nbytes, floor_us))
-        del ws
+            attempt(rows, base, partial(gemv_point, calls, check, c.ref, c.nbytes, c.floor_us))
+        del ws, c
     return rows
 
 
@@ -377,22 +402,12 @@ def floor_rows(ceil: dict, gen: torch.Generator) -> list[dict]:
     for name, n, k, extra in MMA_SHAPES:
         if n > 20000:
             continue  # the lm_head streams long enough to pass
-        ws = weight_copies(n, k, 4, gen)
-        scale = 2.0 if "norm" in extra else 1.0
-        xs = [(scale * torch.randn(k, generator=gen, device=DEV)).to(BF16) for _ in ws]
-        rs = [torch.randn(n, generator=gen, device=DEV).to(BF16) for _ in ws]
-        kw: dict = {"pdl": True}
-        if "norm" in extra:
-            kw.update(norm_weight=nw, eps=EPS)
-        res = "res" in extra
-        x0 = rms_norm(xs[0], nw, EPS) if "norm" in extra else xs[0]
-        ref = ref_qlinear(x0, ws[0], rs[0] if res else None)
-        nbytes = ws[0].nbytes() + 2 * k * (1 + ("norm" in extra)) + n * (2 + 2 * res)
-        floor_us = nbytes / ceil["copy_GBps"] / 1e3
-        shape = name + (f" +{extra}" if extra else "")
+        c = mma_case(n, k, extra, nw, ceil, gen)
+        ws, xs, rs = c.ws, c.xs, c.rs
+        shape = name + c.suffix
 
-        def call(x, w, r, res=res, kw=kw):
-            return qgemv_mma(x, w, residual=r if res else None, **kw)
+        def call(x, w, r, res=c.res, kw=c.kw):
+            return qgemv_mma(x, w, residual=r if res else None, pdl=True, **kw)
 
         variants = {
             "pdl": [partial(call, x, w, r) for w, x, r in zip(ws, xs, rs, strict=True)],
@@ -402,9 +417,9 @@ def floor_rows(ceil: dict, gen: torch.Generator) -> list[dict]:
         for label, calls in variants.items():
             base = {"op": "qgemv_mma", "shape": shape, "config": label}
             check = partial(call, xs[0], ws[0], rs[0])
-            attempt(rows, base, partial(gemv_point, calls, check, ref, nbytes, floor_us))
-        rows += size_floor_rows(shape, ws, nbytes, ceil)
-        del ws
+            attempt(rows, base, partial(gemv_point, calls, check, c.ref, c.nbytes, c.floor_us))
+        rows += size_floor_rows(shape, ws, c.nbytes, ceil)
+        del ws, c
     return rows
 
 
