@@ -96,19 +96,17 @@ class LilyAdapter(BenchAdapter):
         return int(self.engine.runner.decode(token, self.state).argmax())
 
     def decode_timed(self, token: int, n: int, deadline: float) -> tuple[int, float]:
-        """The engine's own decode loop, as a streaming client gets it: with tokens drawn
-        on the device it launches the step for token i before it waits for token i, so
-        the host's turn (the sync, the token's text) overlaps the device's work. Greedy,
-        EOS ignored; token 0 is ``token`` (drawn from the prefill's logits), token 1's
-        step is the untimed one."""
+        """The engine's own decode loop (``decode_loop``), as a streaming client gets it:
+        with tokens drawn on the device it launches the step for token i before it waits
+        for token i, so the host's turn (the sync, the token's text) overlaps the device's
+        work; otherwise one step at a time. Greedy, EOS ignored; token 0 is ``token``
+        (drawn from the prefill's logits), token 1's step is the untimed one."""
         from lily.runtime.generate import Usage, decode_loop
 
-        runner = self.engine.runner
-        if getattr(runner, "device_decode", None) is None:
-            return super().decode_timed(token, n, deadline)
         params = SamplingParams(temperature=0.0, max_tokens=n + 2, ignore_eos=True)
-        steps = decode_loop(runner, self.engine.tokenizer, self.state, self.logits, self.ids,
-                            params, n + 2, lambda: False, None, Usage())  # fmt: skip
+        steps = decode_loop(self.engine.runner, self.engine.tokenizer, self.state,
+                            self.logits, self.ids, params, n + 2, lambda: False, None,
+                            Usage())  # fmt: skip
         try:
             first = next(steps).token_id
             if first != token:
