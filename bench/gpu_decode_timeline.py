@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import inspect
 import statistics
 
 import torch
@@ -93,12 +94,10 @@ def variant(name: str, runner, swaps: dict):
         mod, fn = spec.split(":")
         new = getattr(importlib.import_module(mod), fn)
         old = getattr(runner_mod, attr)
+        takes_pdl = "pdl" in inspect.signature(new).parameters
 
         def call(*a, pdl=False, _new=new, **kw):  # older launchers may not take pdl
-            try:
-                return _new(*a, pdl=pdl, **kw)
-            except TypeError:
-                return _new(*a, **kw)
+            return _new(*a, pdl=pdl, **kw) if takes_pdl else _new(*a, **kw)
 
         setattr(runner_mod, attr, call)
         undo.append(lambda: setattr(runner_mod, attr, old))
