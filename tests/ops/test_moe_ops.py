@@ -21,9 +21,9 @@ if not torch.cuda.is_available():
     # Kernels are built at import; tests/conftest.py normally sets this first.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import lily.ops.moe_decode as md  # noqa: E402
 from lily.bench.measure import capture_graph  # noqa: E402
 from lily.model.norm import rms_norm  # noqa: E402
-import lily.ops.moe_decode as md  # noqa: E402
 from lily.ops.moe_decode import MoeDecodeConfig, moe_decode, topk_rows  # noqa: E402
 from lily.ops.moe_prefill import MoePrefillConfig, moe_prefill, moe_prefill_config  # noqa: E402
 from lily.ops.qgemm import GemmConfig  # noqa: E402
