@@ -254,7 +254,11 @@ def _warm_and_sweep(
     def on_point(p: dict) -> None:
         report.enrich(p, cost, result["ceilings"])
         if bar is not None:
-            rate = f"{p['prefill_tok_s']:,.0f}" if p.get("status") == "ok" else p["status"]
+            rate = p["status"]
+            if p.get("prefill_tok_s"):
+                rate = f"{p['prefill_tok_s']:,.0f}"
+            elif p.get("decode_tok_s"):  # decode only, on a directly filled context
+                rate = f"decode {p['decode_tok_s']:,.1f}"
             bar.set_postfix_str(f"{p['engine']} {p['length']}: {rate}")
             bar.update(1)
 
@@ -270,7 +274,8 @@ def _warm_and_sweep(
                              plan.point_budget_s, budget, on_point)  # fmt: skip
     if bar is not None:
         bar.close()
-    if any(p.get("status") == "cut" or p.get("decode_cut") for p in result["points"]):
+    if any(p.get("status") == "cut" or p.get("decode_cut") or p.get("fill_s") is not None
+           for p in result["points"]):  # fmt: skip
         result["notes"].append(
             f"some points were cut by the time budget (run {plan.budget_s or 'unlimited'} s, "
             f"one point at most {plan.point_budget_s} s): see the per-point notes"

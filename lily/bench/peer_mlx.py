@@ -65,6 +65,39 @@ class MlxAdapter(BenchAdapter):
     def decode(self, token: int) -> int:
         return int(self.mx.argmax(self._step([token])[0, -1]).item())
 
+    def fill_context(self, n_tokens: int) -> int:
+        """The cache a prefill of ``n_tokens`` leaves, filled with small random values
+        instead of computed ones: full-attention ``KVCache``s hold keys and values at that
+        depth (allocated in ``step`` blocks, as ``update_and_fetch`` grows them) with
+        ``offset`` set; the Gated DeltaNet ``ArraysCache``s hold a conv state and a
+        recurrent state, whose shapes do not depend on the depth. Shapes and dtypes are
+        those a one-token step on a fresh cache makes (the model's own layers)."""
+        from mlx_lm.models.cache import ArraysCache, KVCache
+
+        mx = self.mx
+        self._new_cache()
+        self._step([0])  # every entry made by its own layer: the shapes and dtypes to fill
+        key = mx.random.key(n_tokens)
+
+        def rand(shape, dtype):  # small: decode must stay finite whatever it reads
+            nonlocal key
+            key, k = mx.random.split(key)
+            return (0.1 * mx.random.normal(shape, key=k)).astype(dtype)
+
+        for c in self.cache:
+            if type(c) is KVCache:
+                (b, h, _, dk), dv = c.keys.shape, c.values.shape[3]
+                depth = -(-n_tokens // c.step) * c.step  # so decode grows it as after a prefill
+                c.keys = rand((b, h, depth, dk), c.keys.dtype)
+                c.values = rand((b, h, depth, dv), c.values.dtype)
+                c.offset = n_tokens
+            elif type(c) is ArraysCache:
+                c.cache = [a if a is None else rand(a.shape, a.dtype) for a in c.cache]
+            else:
+                raise NotImplementedError(f"fill_context: no fill for {type(c).__name__}")
+            mx.eval(c.state)  # one layer's temporaries at a time
+        return 0  # any valid id: the first decode input
+
     def _next(self, tok):
         """The greedy next token of the (1,) token array ``tok``, lazily (not evaluated)."""
         return self.mx.argmax(self.model(tok[None], cache=self.cache)[0, -1], keepdims=True)

@@ -25,10 +25,11 @@ def enrich(point: dict, cost: dict | None, ceilings: dict | None) -> dict:
     if point.get("status") != "ok" or not cost:
         return point
     length = point["length"]
-    tflops = prefill_flops(cost, length) / point["prefill_s"] / 1e12
-    point["prefill_TFLOPs"] = tflops
-    if ceilings:
-        point["prefill_frac_matmul"] = tflops / ceilings["matmul_TFLOPs"]
+    if point.get("prefill_s"):  # None where decode ran on a directly filled context
+        tflops = prefill_flops(cost, length) / point["prefill_s"] / 1e12
+        point["prefill_TFLOPs"] = tflops
+        if ceilings:
+            point["prefill_frac_matmul"] = tflops / ceilings["matmul_TFLOPs"]
     if point.get("decode_tokens"):
         n = point["decode_tokens"]
         per_token = decode_bytes(cost, length + (n + 1) / 2)  # mean context over the steps
@@ -107,6 +108,11 @@ def markdown(result: dict) -> str:
         "prompt, timed after one untimed step (graph capture). Each engine warmed up first.",
         "",
     ]
+    if any(p.get("fill_s") is not None for p in result["points"]):
+        lines[-2] += (
+            " Where an engine's prefill did not fit the time budget, its decode was timed "
+            "after a cache filled directly to that depth (see the notes)."
+        )
     if ceil:
         lines += [
             f"Ceilings measured at start: copy {ceil['copy_GBps']:,.0f} GB/s, "

@@ -49,6 +49,13 @@ class BenchAdapter:
             k += 1
         return k, time.perf_counter() - t1
 
+    def fill_context(self, n_tokens: int) -> int:
+        """Start a new session as if a prompt of ``n_tokens`` had been prefilled, without
+        running the prefill (state of the right shapes, arbitrary values); return a token
+        to decode from. Lets the sweep time decode at depths whose prefill does not fit the
+        time budget; an adapter that does not override it is never filled."""
+        raise NotImplementedError
+
     def score(self, ids: list[int]) -> torch.Tensor:
         """Teacher-forced fp32 logits (T, V) on the CPU."""
         raise NotImplementedError
@@ -173,16 +180,39 @@ def run_point(eng: BenchAdapter, ids: list[int], n_decode: int, allowance_s: flo
     tok = eng.prefill(ids)
     t1 = time.perf_counter()
     out = {"length": len(ids), "prefill_s": t1 - t0, "prefill_tok_s": len(ids) / (t1 - t0)}
-    n = 0
-    if n_decode:
-        n, dt = eng.decode_timed(tok, n_decode, t0 + allowance_s)
-    if n:
-        out |= {"decode_tokens": n, "decode_s": dt, "decode_tok_s": n / dt}
-        if n < n_decode:
-            out["decode_cut"] = f"{n} of {n_decode} tokens within the time budget"
+    out |= _decode(eng, tok, n_decode, t0 + allowance_s)
     out["peak_mem_bytes"] = eng.peak_memory()
     eng.release()
     return out
+
+
+def run_filled_point(eng: BenchAdapter, length: int, n_decode: int, allowance_s: float) -> dict:
+    """Decode as in ``run_point``, at depth ``length`` reached by ``fill_context`` instead
+    of a prefill (the allowance counted from the fill's start). The prefill fields are
+    None; no peak memory, as the fill's is not a prefill's."""
+    eng.sync()
+    t0 = time.perf_counter()
+    tok = eng.fill_context(length)
+    eng.sync()
+    out = {"length": length, "prefill_s": None, "prefill_tok_s": None,
+           "fill_s": time.perf_counter() - t0}  # fmt: skip
+    out |= _decode(eng, tok, n_decode, t0 + allowance_s)
+    eng.release()
+    return out
+
+
+def _decode(eng: BenchAdapter, tok: int, n_decode: int, deadline: float) -> dict:
+    n, dt = eng.decode_timed(tok, n_decode, deadline) if n_decode else (0, 0.0)
+    if not n:
+        return {}
+    out = {"decode_tokens": n, "decode_s": dt, "decode_tok_s": n / dt}
+    if n < n_decode:
+        out["decode_cut"] = f"{n} of {n_decode} tokens within the time budget"
+    return out
+
+
+def can_fill(eng: BenchAdapter) -> bool:
+    return type(eng).fill_context is not BenchAdapter.fill_context
 
 
 def warmup(eng: BenchAdapter, ids: list[int], n_decode: int = 2) -> dict:
@@ -207,6 +237,8 @@ class LocalEngine:
 def dispatch(adapter: BenchAdapter, method: str, args: tuple):
     if method == "run_point":
         return run_point(adapter, *args)
+    if method == "run_filled_point":  # None: this adapter cannot fill its context
+        return run_filled_point(adapter, *args) if can_fill(adapter) else None
     if method == "warmup":
         return warmup(adapter, *args)
     if method == "score":
@@ -227,7 +259,8 @@ class Slot:
     used_s: float = 0.0
     rate: float | None = None  # last prefill tok/s, for predictions
     last_len: int = 0
-    cut_from: int | None = None  # first length skipped this round
+    cut_from: int | None = None  # first length whose prefill was skipped this round
+    fill: bool = True  # False once the adapter has answered that it cannot fill its context
     failed: str | None = None
 
     @property
@@ -251,7 +284,10 @@ def sweep(
     alike. Each round may use its part of ``budget_s`` (what one round leaves passes to
     the next); at each point the time left is split evenly among the engines still to run
     at that length, capped by ``point_budget_s``. A point whose predicted prefill does not
-    fit its allowance is cut, and so are that engine's longer ones in the round.
+    fit its allowance is cut, and so are that engine's longer ones in the round; an engine
+    that can fill its context directly (``run_filled_point``) still has its decode timed
+    at those depths. Such an engine no longer counts among those still to run, so the
+    others' allowances are what they would be without it; it takes its share at its turn.
     """
     results = []
     start = time.perf_counter()
@@ -263,7 +299,7 @@ def sweep(
             k = (r + i) % len(slots)
             order = slots[k:] + slots[:k]
             for j, s in enumerate(order):
-                waiting = max(1, sum(t.live for t in order[j:]))
+                waiting = 1 + sum(t.live for t in order[j + 1 :])
                 allowance = min(point_budget_s, (round_end - time.perf_counter()) / waiting)
                 res = _one(s, length, prompts, n_decode, allowance)
                 res |= {"engine": s.name, "round": r, "length": length}
@@ -275,28 +311,44 @@ def sweep(
 def _one(s: Slot, length: int, prompts, n_decode: int, allowance: float) -> dict:
     if s.failed:
         return {"status": "failed", "note": s.failed}
-    if s.cut_from is not None:
-        return {"status": "cut", "note": f"time budget (cut from {s.cut_from} tokens)"}
-    growth = GROWTH if length > s.last_len else 1.0
-    predicted = length / s.rate * growth if s.rate else 0.0
-    if predicted > allowance or allowance <= 0:
+    if s.cut_from is None:
+        growth = GROWTH if length > s.last_len else 1.0
+        predicted = length / s.rate * growth if s.rate else 0.0
+        if predicted <= allowance and allowance > 0:
+            res = _call(s, "run_point", prompts(length), n_decode if s.decode else 0, allowance)
+            if res["status"] == "ok":
+                s.rate, s.last_len = res["prefill_tok_s"], length
+            return res
         s.cut_from = length
-        return {
-            "status": "cut",
-            "note": f"time budget: predicted prefill {predicted:.0f} s > "
-            f"{max(allowance, 0):.0f} s left",
-        }
+        left = f"{predicted:.0f} s > {max(allowance, 0):.0f} s left"
+        why, cut = f"prefill predicted {left}", f"time budget: predicted prefill {left}"
+    else:
+        why = f"prefill cut from {s.cut_from} tokens"
+        cut = f"time budget (cut from {s.cut_from} tokens)"
+    if not (s.fill and s.decode and n_decode and allowance > 0):
+        return {"status": "cut", "note": cut}
+    res = _call(s, "run_filled_point", length, n_decode, allowance)
+    if res is None:  # the adapter cannot fill its context
+        s.fill = False
+        return {"status": "cut", "note": cut}
+    if res["status"] == "ok":
+        res["note"] = f"decode after a directly filled cache of {length} tokens ({why})"
+    return res
+
+
+def _call(s: Slot, method: str, *args) -> dict | None:
+    """``method`` on the slot's engine, ``args`` ending with the allowance; an engine that
+    fails is skipped from here on, never a crash."""
+    allowance = args[-1]
     t0 = time.perf_counter()
     try:
         res = s.handle.call(
-            "run_point", prompts(length), n_decode if s.decode else 0, allowance,
-            timeout=2 * allowance + 120 if math.isfinite(allowance) else None,
-        )  # fmt: skip
-    except Exception as e:  # an engine that fails is skipped from here on, never a crash
+            method, *args, timeout=2 * allowance + 120 if math.isfinite(allowance) else None
+        )
+    except Exception as e:
         s.failed = f"{type(e).__name__}: {e}".splitlines()[0][:300]
         s.handle.close()  # frees its memory (a peer's worker is stopped)
         return {"status": "failed", "note": s.failed}
     finally:
         s.used_s += time.perf_counter() - t0
-    s.rate, s.last_len = res["prefill_tok_s"], length
-    return {"status": "ok", **res}
+    return res if res is None else {"status": "ok", **res}
