@@ -100,8 +100,9 @@ PREFILL_BM = (16, 32, 64, 128)
 CHECK_T = 512  # prefill lengths checked against the reference on every config
 GEMV_GRAPH_CALLS = 32
 ROWS_SHAPE = (8192, 2048)  # the shape of the few-rows comparison
-# moe_decode in one launch: the runner's table, then 16 warps
-PERSISTENT_CFGS = [PERSISTENT, replace(PERSISTENT, num_warps=16)]
+# moe_decode in one launch: the runner's table, then 16 warps, then no down prefetch
+PERSISTENT_CFGS = [PERSISTENT, replace(PERSISTENT, num_warps=16),
+                   replace(PERSISTENT, prefetch_down=False)]  # fmt: skip
 DECODE_CFGS = [  # moe_decode variants (None: the three-launch table)
     None, *PERSISTENT_CFGS, MoeDecodeConfig(down_rows=4),
     MoeDecodeConfig(down_rows=16, down_warps=8),

@@ -232,7 +232,7 @@ def _moe_decode_kernel(
     GU_BN: tl.constexpr, N_BLOCKS: tl.constexpr, D_BN: tl.constexpr,
     HAS_SHARED: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
     NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr, ON_CPU: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     # PHASE 1, 2 or 3: that phase alone (one launch each); 0: all three in one launch, a
     # grid barrier between them (see the module docstring).
@@ -312,12 +312,13 @@ def _moe_decode_kernel(
             stride_sn, o_n, m_n, D, BITS, GROUP, BLOCK_G,
         )  # fmt: skip
         if PHASE == 0:
-            # phase 3's expert tiles: the expert ids are known, so they stream with these
             e_k = tl.reshape(ids, (BLOCK_K,)).to(tl.int64)
             b_r = tl.reshape(wts, (BLOCK_K,))
-            b_dw, b_ds, b_db = _down_words(p_dw, p_ds, p_db, e_k, m_k, o_d, m_d, stride_dwe,
-                                           stride_dse, stride_dqn, stride_dsn, I_E, BITS, GROUP,
-                                           D_BG)  # fmt: skip
+            if PREFETCH:
+                # phase 3's expert tiles: the expert ids are known, so they stream with these
+                b_dw, b_ds, b_db = _down_words(p_dw, p_ds, p_db, e_k, m_k, o_d, m_d, stride_dwe,
+                                               stride_dse, stride_dqn, stride_dsn, I_E, BITS,
+                                               GROUP, D_BG)  # fmt: skip
         b_h = _gate_up(b_gw, b_gs, b_gb, b_uw, b_us, b_ub, b_x, b_nw, eps, D, mask_lo, BITS,
                        BLOCK_G, HAS_NORM, ON_CPU)  # fmt: skip
         tl.store(p_h + slot * stride_h + o_n, b_h, mask=m_n)
@@ -342,6 +343,10 @@ def _moe_decode_kernel(
                                            D_BG)  # fmt: skip
         else:
             grid_sync(p_bar, N_PROGS)
+            if not PREFETCH:
+                b_dw, b_ds, b_db = _down_words(p_dw, p_ds, p_db, e_k, m_k, o_d, m_d, stride_dwe,
+                                               stride_dse, stride_dqn, stride_dsn, I_E, BITS,
+                                               GROUP, D_BG)  # fmt: skip
             if HAS_SHARED:
                 o_xs = tl.arange(0, S_BG * GROUP // (32 // BITS))[:, None] * (32 // BITS)
                 o_xs = o_xs + tl.arange(0, 32 // BITS)[None, :]
@@ -375,7 +380,8 @@ class MoeDecodeConfig:
     down_rows: output rows of the down phase (D / down_rows programs);
     persistent: the three phases in one launch with grid barriers between them, on a GPU
     where the largest phase's programs fit one an SM (else, and without a GPU, three
-    launches); num_warps is then every phase's.
+    launches); num_warps is then every phase's. prefetch_down: (one launch) the expert
+    down tiles are loaded before the barrier ahead of the down phase, with gate/up's.
     """
 
     router_rows: int = 4
@@ -385,6 +391,7 @@ class MoeDecodeConfig:
     num_warps: int = 4
     down_warps: int = 4
     persistent: bool = False
+    prefetch_down: bool = True
 
     def __post_init__(self) -> None:
         for name in ("router_rows", "shared_rows", "gate_up_rows", "down_rows", "num_warps",
@@ -576,10 +583,12 @@ def moe_decode(
         ON_CPU=on_cpu, PDL=pdl, **pdl_launch(pdl),
     )  # fmt: skip
     if persistent:
+        meta["PREFETCH"] = cfg.prefetch_down
         n = max(grids)
         _moe_decode_kernel[(n,)](*args, PHASE=0, N_PROGS=n, num_warps=cfg.num_warps, **meta)
         return out
     for phase, grid, warps in ((1, grids[0], cfg.num_warps), (2, grids[1], cfg.num_warps),
                                (3, grids[2], cfg.down_warps)):  # fmt: skip
-        _moe_decode_kernel[(grid,)](*args, PHASE=phase, N_PROGS=grid, num_warps=warps, **meta)
+        _moe_decode_kernel[(grid,)](*args, PHASE=phase, N_PROGS=grid, num_warps=warps,
+                                    PREFETCH=False, **meta)  # fmt: skip
     return out
