@@ -9,9 +9,7 @@ name and per layer kind (the kinds of bench/gpu_profile.py), with the copy-bandw
 of the step's bytes for scale.
 
 ``--variants`` runs the same measurement with runner or kernel switches changed (A/B in
-one process, same host and model): ``pdl_off`` (no programmatic dependent launch),
-``moe_one`` (the MoE in one launch with grid barriers), ``moe_one_FIELD=N`` (the same, a
-field of its config changed, e.g. ``moe_one_num_warps=16``) and any
+one process, same host and model): ``pdl_off`` (no programmatic dependent launch) and any
 name given in ``--swap name=module:function@runner_name`` (a stand-in function for one the
 runner calls, e.g. an earlier version of a kernel's launcher kept outside the package).
 """
@@ -23,7 +21,6 @@ import contextlib
 import importlib
 import inspect
 import statistics
-from dataclasses import replace
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -32,7 +29,6 @@ import lily.runtime.gpu_runner as runner_mod
 from bench.full_model import full_params, kernel_engine, write_json
 from bench.gpu_profile import kind_of
 from lily.bench.measure import pseudo_text_ids
-from lily.ops.moe_decode import PERSISTENT
 
 
 def step_ms(graph, n: int = 64, reps: int = 5) -> float:
@@ -93,14 +89,6 @@ def variant(name: str, runner, swaps: dict):
     if name == "pdl_off":
         runner.pdl = False
         undo.append(lambda: setattr(runner, "pdl", True))
-    elif name == "moe_one" or name.startswith("moe_one_"):
-        # the MoE in one launch, optionally a field changed: moe_one_num_warps=16
-        cfg = PERSISTENT
-        if name != "moe_one":
-            field, value = name.removeprefix("moe_one_").split("=")
-            cfg = replace(cfg, **{field: type(getattr(cfg, field))(int(value))})
-        runner.moe_config, saved = cfg, runner.moe_config
-        undo.append(lambda: setattr(runner, "moe_config", saved))
     elif name in swaps:
         spec, attr = swaps[name].split("@")
         mod, fn = spec.split(":")

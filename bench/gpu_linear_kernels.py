@@ -46,7 +46,7 @@ import math
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
 
@@ -56,7 +56,7 @@ from triton.testing import do_bench
 
 from lily.bench.measure import attempt, capture_graph, kernel_times
 from lily.model.norm import rms_norm
-from lily.ops.moe_decode import PERSISTENT, MoeDecodeConfig, moe_decode
+from lily.ops.moe_decode import MoeDecodeConfig, moe_decode
 from lily.ops.moe_prefill import MoePrefillConfig, moe_prefill, moe_prefill_config
 from lily.ops.qgemm import GemmConfig, gemm_config, qgemm
 from lily.ops.qgemv import GemvConfig, gemv_config, qgemv
@@ -100,12 +100,8 @@ PREFILL_BM = (16, 32, 64, 128)
 CHECK_T = 512  # prefill lengths checked against the reference on every config
 GEMV_GRAPH_CALLS = 32
 ROWS_SHAPE = (8192, 2048)  # the shape of the few-rows comparison
-# moe_decode in one launch: the runner's table, then 16 warps, then no down prefetch
-PERSISTENT_CFGS = [PERSISTENT, replace(PERSISTENT, num_warps=16),
-                   replace(PERSISTENT, prefetch_down=False)]  # fmt: skip
-DECODE_CFGS = [  # moe_decode variants (None: the three-launch table)
-    None, *PERSISTENT_CFGS, MoeDecodeConfig(down_rows=4),
-    MoeDecodeConfig(down_rows=16, down_warps=8),
+DECODE_CFGS = [  # moe_decode variants (None: the table)
+    None, MoeDecodeConfig(down_rows=4), MoeDecodeConfig(down_rows=16, down_warps=8),
     MoeDecodeConfig(gate_up_rows=16, num_warps=8), MoeDecodeConfig(gate_up_rows=4),
     MoeDecodeConfig(router_rows=2, shared_rows=4),
 ]  # fmt: skip
@@ -694,20 +690,6 @@ def pdl_forced():
         md.use_pdl, qg.use_pdl, qm.use_pdl = saved
 
 
-@contextlib.contextmanager
-def persistent_forced():
-    """moe_decode's one-launch form for CPU tensors (compile-only: the launches are
-    intercepted, so no barrier ever spins)."""
-    import lily.ops.moe_decode as md
-
-    saved = md.one_launch
-    md.one_launch = lambda cfg, n_progs, device: cfg.persistent
-    try:
-        yield
-    finally:
-        md.one_launch = saved
-
-
 def compile_report(only: set[str]) -> list[dict]:
     """No GPU: compile every configuration the bench times (in the sections of ``only``)
     for sm_90 and read what ptxas gave each kernel (registers, stack bytes = spills, warpgroup
@@ -775,10 +757,6 @@ def compile_report(only: set[str]) -> list[dict]:
             with pdl_forced():
                 launches.append("moe_decode +norm pdl")
                 moe_decode(x, *args, TOP_K, x, norm_weight=nw, pdl=True)
-                with persistent_forced():
-                    for cfg in PERSISTENT_CFGS:
-                        launches.append(f"moe_decode one launch +norm pdl {cfg_str(cfg)}")
-                        moe_decode(x, *args, TOP_K, x, norm_weight=nw, config=cfg, pdl=True)
                 launches.append("dn qkv|z|b|a +norm pdl")
                 qgemv(x, zero_qweight((12352, D), 4), norm_weight=nw, pdl=True)
         if "moe_prefill" in only:

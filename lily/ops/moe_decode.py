@@ -24,7 +24,6 @@ NaN output for that token, never an out-of-range expert id (an address).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -117,6 +116,95 @@ def _gate_up(
     return b_g * _sigmoid(b_g) * b_u
 
 
+@launched
+@triton.jit
+def _moe_router_kernel(
+    p_x, p_nw, p_logits, p_h,
+    p_rw, p_rs, p_rb, stride_rqn, stride_rsn,
+    p_cw, p_cs, p_cb,
+    p_sgw, p_sgs, p_sgb, p_suw, p_sus, p_sub, stride_sqn, stride_ssn,
+    E, D, I_S, stride_h, mask_lo_r, mask_lo_c, mask_lo, eps,
+    TOP_K: tl.constexpr, R_PROGS: tl.constexpr, R_BN: tl.constexpr, R_BITS: tl.constexpr,
+    R_GROUP: tl.constexpr, R_BG: tl.constexpr, C_BITS: tl.constexpr, C_GROUP: tl.constexpr,
+    C_BG: tl.constexpr, S_BN: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+    S_BG: tl.constexpr, HAS_NORM: tl.constexpr, NORM_BLOCK: tl.constexpr,
+    NORM_STEPS: tl.constexpr, ON_CPU: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    # Weights first; with PDL, x (the previous kernel's output) only after pdl_wait.
+    pid = tl.program_id(0)
+    # NOTE: each branch names its own tensors: the compiler (unlike the interpreter) wants a
+    # variable assigned in two run-time branches to have one type.
+    if pid < R_PROGS:
+        # Router rows -> logits[0:E] (fp32).
+        o_r = pid * R_BN + tl.arange(0, R_BN)
+        b_r = gemv_block(
+            p_x, 0, 1, D, p_nw, eps, p_rw, p_rs, p_rb, stride_rqn, stride_rsn, o_r, o_r < E,
+            0, D // R_GROUP, mask_lo_r, R_BITS, R_GROUP, R_BG, 1, 1, HAS_NORM, True, NORM_BLOCK,
+            NORM_STEPS, ON_CPU, PDL,
+        )  # fmt: skip
+        tl.store(p_logits + o_r[None, :], b_r, mask=(o_r < E)[None, :])
+    elif pid == R_PROGS:
+        # The shared expert's gate (one row) -> logits[E].
+        o_c = tl.arange(0, 2)
+        b_c = gemv_block(
+            p_x, 0, 1, D, p_nw, eps, p_cw, p_cs, p_cb, 0, 0, o_c, o_c < 1, 0, D // C_GROUP,
+            mask_lo_c, C_BITS, C_GROUP, C_BG, 1, 1, HAS_NORM, True, NORM_BLOCK, NORM_STEPS,
+            ON_CPU, PDL,
+        )  # fmt: skip
+        tl.store(p_logits + E + o_c[None, :], b_c, mask=(o_c < 1)[None, :])
+    else:
+        # Shared expert gate/up rows -> h[TOP_K].
+        o_s = (pid - R_PROGS - 1) * S_BN + tl.arange(0, S_BN)
+        m_s = o_s < I_S
+        b_gw, b_gs, b_gb, b_uw, b_us, b_ub = _gate_up_words(
+            p_sgw, p_sgs, p_sgb, p_suw, p_sus, p_sub, stride_sqn, stride_ssn, o_s, m_s, D, BITS,
+            GROUP, S_BG,
+        )  # fmt: skip
+        pdl_wait(PDL)
+        b_xs, b_nws = load_x(p_x, p_nw, 0, D // GROUP, True, HAS_NORM, BITS, GROUP, S_BG)
+        b_h = _gate_up(b_gw, b_gs, b_gb, b_uw, b_us, b_ub, b_xs, b_nws, eps, D, mask_lo, BITS,
+                       S_BG, HAS_NORM, ON_CPU)  # fmt: skip
+        tl.store(p_h + TOP_K * stride_h + o_s, b_h, mask=m_s)
+
+
+@launched
+@triton.jit
+def _moe_gate_up_kernel(
+    p_x, p_nw, p_logits, p_ids, p_wts, p_h,
+    p_gw, p_gs, p_gb, p_uw, p_us, p_ub, stride_we, stride_se, stride_qn, stride_sn,
+    E, D, I_E, stride_h, mask_lo, eps,
+    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BITS: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr,
+    HAS_NORM: tl.constexpr, ON_CPU: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    slot = pid // N_BLOCKS
+    i_n = pid % N_BLOCKS
+    o_e = tl.arange(0, BLOCK_E)
+    o_k = tl.arange(0, BLOCK_K)
+    # x first: its loads fly while the top-k runs (the weights must wait for the expert id).
+    # NOTE: with PDL, x may be read before pdl_wait: it was written before the router kernel
+    # ran, and this kernel starts only once every router program has passed its own wait.
+    b_x, b_nw = load_x(p_x, p_nw, 0, D // GROUP, True, HAS_NORM, BITS, GROUP, BLOCK_G)
+    pdl_wait(PDL)
+    b_l = tl.load(p_logits + o_e, mask=o_e < E, other=0.0)
+    ids, wts = topk_rows(b_l[None, :], E, TOP_K, BLOCK_K)
+    if pid == 0:
+        tl.store(p_ids + o_k[None, :], ids, mask=(o_k < TOP_K)[None, :])
+        tl.store(p_wts + o_k[None, :], wts, mask=(o_k < TOP_K)[None, :])
+    e64 = tl.sum(tl.sum(tl.where(o_k[None, :] == slot, ids, 0), axis=1), axis=0).to(tl.int64)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < I_E
+    b_gw, b_gs, b_gb, b_uw, b_us, b_ub = _gate_up_words(
+        p_gw + e64 * stride_we, p_gs + e64 * stride_se, p_gb + e64 * stride_se,
+        p_uw + e64 * stride_we, p_us + e64 * stride_se, p_ub + e64 * stride_se, stride_qn,
+        stride_sn, o_n, m_n, D, BITS, GROUP, BLOCK_G,
+    )  # fmt: skip
+    b_h = _gate_up(b_gw, b_gs, b_gb, b_uw, b_us, b_ub, b_x, b_nw, eps, D, mask_lo, BITS,
+                   BLOCK_G, HAS_NORM, ON_CPU)  # fmt: skip
+    tl.store(p_h + slot * stride_h + o_n, b_h, mask=m_n)
+
+
 @triton.jit
 def _gemv_tile3(b_w, b_s, b_b, b_x, mask_lo, BITS: tl.constexpr, BLOCK_G: tl.constexpr):
     """Per slot: fp32 (S, BN) = x[s] @ w[s].T for words (S, BN, BW), fp32 scales and biases
@@ -165,41 +253,40 @@ def _gemv_tile3(b_w, b_s, b_b, b_x, mask_lo, BITS: tl.constexpr, BLOCK_G: tl.con
     return tl.sum(b_s * (b_d - b_xps[:, None, :]) + b_b * b_xs[:, None, :], axis=2)
 
 
+@launched
 @triton.jit
-def grid_sync(p_bar, N_PROGS: tl.constexpr):
-    """Waits until all N_PROGS programs of the grid have arrived; what any program stored
-    before is then visible to loads that bypass L1 (``.cg``).
-
-    p_bar: int32 [arrivals, generation]. The last program to arrive zeroes the arrivals
-    before it moves the generation on, so the buffer needs no reset between calls (a
-    replayed CUDA graph) and one buffer serves every barrier of a call in turn.
-    NOTE: only for a grid whose programs are all resident at once (the launcher keeps the
-    grid within one program an SM); the Triton interpreter runs programs one after another
-    and would spin here forever, so it runs the phases as separate launches instead.
-    """
-    # every thread's stores are issued before thread 0's release (the cooperative-groups
-    # pattern: scalar atomics are one thread's, their result broadcast to the program)
-    tl.debug_barrier()
-    gen = tl.atomic_add(p_bar + 1, 0, sem="relaxed", scope="gpu")
-    arrived = tl.atomic_add(p_bar, 1, sem="acq_rel", scope="gpu")
-    if arrived == N_PROGS - 1:
-        tl.atomic_xchg(p_bar, 0, sem="relaxed", scope="gpu")
-        tl.atomic_add(p_bar + 1, 1, sem="release", scope="gpu")
-    else:
-        g = gen
-        while g == gen:
-            g = tl.atomic_add(p_bar + 1, 0, sem="acquire", scope="gpu")
-    tl.debug_barrier()
-
-
-@triton.jit
-def _down_words(p_dw, p_ds, p_db, e64, m_k, o_n, m_n, stride_we, stride_se, stride_qn,
-                stride_sn, I_E, BITS: tl.constexpr, GROUP: tl.constexpr,
-                BLOCK_G: tl.constexpr):  # fmt: skip
-    """The k experts' down tiles of rows o_n (whole I) as one (k, rows, words) block, so
-    every load is in flight at once: words int32, scales and biases fp32 (k, rows, BG)."""
-    WPG: tl.constexpr = GROUP * BITS // 32
+def _moe_down_kernel(
+    p_h, p_ids, p_wts, p_logits, p_res, p_out,
+    p_dw, p_ds, p_db, stride_we, stride_se, stride_qn, stride_sn,
+    p_sdw, p_sds, p_sdb, stride_sqn, stride_ssn,
+    E, D, I_E, I_S, stride_h, mask_lo,
+    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr, S_BG: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SHARED: tl.constexpr, HAS_RES: tl.constexpr, ON_CPU: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    PER: tl.constexpr = 32 // BITS
+    WPG: tl.constexpr = GROUP // PER
     BW: tl.constexpr = BLOCK_G * WPG
+    i_n = tl.program_id(0)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < D
+    o_k = tl.arange(0, BLOCK_K)
+    m_k = o_k < TOP_K
+    # Before pdl_wait (see _moe_gate_up_kernel's note): the shared expert's down tile
+    # (constant), its h row and gate logit (router kernel, two launches back), the residual.
+    if HAS_SHARED:
+        b_sw, b_ss, b_sb = load_words(p_sdw, p_sds, p_sdb, stride_sqn, stride_ssn, o_n, m_n, 0,
+                                      I_S // GROUP, BITS, GROUP, S_BG)  # fmt: skip
+        b_hs, _ = load_x(p_h + TOP_K * stride_h, p_h, 0, I_S // GROUP, True, False, BITS, GROUP,
+                         S_BG)  # fmt: skip
+        b_c = tl.load(p_logits + E)
+    if HAS_RES:
+        b_res = tl.load(p_res + o_n, mask=m_n, other=0.0).to(tl.float32)
+    pdl_wait(PDL)
+    e64 = tl.load(p_ids + o_k, mask=m_k, other=0).to(tl.int64)
+    b_r = tl.load(p_wts + o_k, mask=m_k, other=0.0)
+    # The k experts' (rows, I) tiles as one block, so every load is in flight at once.
     n_groups = I_E // GROUP
     o_w = tl.arange(0, BW)
     o_g = tl.arange(0, BLOCK_G)
@@ -211,177 +298,26 @@ def _down_words(p_dw, p_ds, p_db, e64, m_k, o_n, m_n, stride_we, stride_se, stri
     m_sb = m_kn & (o_g < n_groups)[None, None, :]
     b_s = tl.load(p_ds + p_sb, mask=m_sb, other=0.0).to(tl.float32)
     b_b = tl.load(p_db + p_sb, mask=m_sb, other=0.0).to(tl.float32)
-    return b_w, b_s, b_b
+    o_x = tl.arange(0, BW)[:, None] * PER + tl.arange(0, PER)[None, :]
+    m_x = m_k[:, None, None] & (o_x < I_E)[None, :, :]
+    b_h = tl.load(p_h + o_k[:, None, None] * stride_h + o_x[None, :, :], mask=m_x, other=0.0)
 
-
-@launched
-@triton.jit
-def _moe_decode_kernel(
-    p_x, p_nw, p_logits, p_h, p_ids, p_wts, p_res, p_out, p_bar,
-    p_rw, p_rs, p_rb, stride_rqn, stride_rsn, p_cw, p_cs, p_cb,
-    p_sgw, p_sgs, p_sgb, p_suw, p_sus, p_sub, stride_sqn, stride_ssn,
-    p_sdw, p_sds, p_sdb, stride_sdqn, stride_sdsn,
-    p_gw, p_gs, p_gb, p_uw, p_us, p_ub, stride_we, stride_se, stride_qn, stride_sn,
-    p_dw, p_ds, p_db, stride_dwe, stride_dse, stride_dqn, stride_dsn,
-    E, D, I_E, I_S, stride_h, mask_lo_r, mask_lo_c, mask_lo, eps,
-    PHASE: tl.constexpr, N_PROGS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr, R_PROGS: tl.constexpr, R_BN: tl.constexpr, R_BITS: tl.constexpr,
-    R_GROUP: tl.constexpr, R_BG: tl.constexpr, C_BITS: tl.constexpr, C_GROUP: tl.constexpr,
-    C_BG: tl.constexpr, S_PROGS: tl.constexpr, S_BN: tl.constexpr, BITS: tl.constexpr,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D_BG: tl.constexpr, S_BG: tl.constexpr,
-    GU_BN: tl.constexpr, N_BLOCKS: tl.constexpr, D_BN: tl.constexpr,
-    HAS_SHARED: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
-    NORM_BLOCK: tl.constexpr, NORM_STEPS: tl.constexpr, ON_CPU: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr,
-):  # fmt: skip
-    # PHASE 1, 2 or 3: that phase alone (one launch each); 0: all three in one launch, a
-    # grid barrier between them (see the module docstring).
-    pid = tl.program_id(0)
-    o_k = tl.arange(0, BLOCK_K)
-    m_k = o_k < TOP_K
-    o_d = pid * D_BN + tl.arange(0, D_BN)  # this program's output rows in phase 3
-    m_d = o_d < D
-    if HAS_SHARED and (PHASE == 0 or PHASE == 3):
-        # constants: before any wait (phase 3's down products of the shared expert)
-        b_sw, b_ss, b_sb = load_words(p_sdw, p_sds, p_sdb, stride_sdqn, stride_sdsn, o_d, m_d,
-                                      0, I_S // GROUP, BITS, GROUP, S_BG)  # fmt: skip
-
-    # Phase 1: router logits (E rows, fp32), the shared expert's gate logit (row E) and its
-    # gate/up with silu(gate) * up (h row k): they do not depend on the routing.
-    # Weights first; with PDL, x (the previous kernel's output) only after pdl_wait.
-    # NOTE: each branch names its own tensors: the compiler (unlike the interpreter) wants a
-    # variable assigned in two run-time branches to have one type.
-    if PHASE == 0 or PHASE == 1:
-        if pid < R_PROGS:
-            o_r = pid * R_BN + tl.arange(0, R_BN)
-            b_r = gemv_block(
-                p_x, 0, 1, D, p_nw, eps, p_rw, p_rs, p_rb, stride_rqn, stride_rsn, o_r,
-                o_r < E, 0, D // R_GROUP, mask_lo_r, R_BITS, R_GROUP, R_BG, 1, 1, HAS_NORM, True,
-                NORM_BLOCK, NORM_STEPS, ON_CPU, PDL,
-            )  # fmt: skip
-            tl.store(p_logits + o_r[None, :], b_r, mask=(o_r < E)[None, :])
-        elif pid == R_PROGS and HAS_SHARED:
-            o_c = tl.arange(0, 2)
-            b_c = gemv_block(
-                p_x, 0, 1, D, p_nw, eps, p_cw, p_cs, p_cb, 0, 0, o_c, o_c < 1, 0, D // C_GROUP,
-                mask_lo_c, C_BITS, C_GROUP, C_BG, 1, 1, HAS_NORM, True, NORM_BLOCK, NORM_STEPS,
-                ON_CPU, PDL,
-            )  # fmt: skip
-            tl.store(p_logits + E + o_c[None, :], b_c, mask=(o_c < 1)[None, :])
-        elif pid < R_PROGS + S_PROGS:
-            o_s = (pid - R_PROGS - 1) * S_BN + tl.arange(0, S_BN)
-            m_s = o_s < I_S
-            b_gw, b_gs, b_gb, b_uw, b_us, b_ub = _gate_up_words(
-                p_sgw, p_sgs, p_sgb, p_suw, p_sus, p_sub, stride_sqn, stride_ssn, o_s, m_s, D,
-                BITS, GROUP, BLOCK_G,
-            )  # fmt: skip
-            pdl_wait(PDL)
-            b_xs, b_nws = load_x(p_x, p_nw, 0, D // GROUP, True, HAS_NORM, BITS, GROUP, BLOCK_G)
-            b_hs = _gate_up(b_gw, b_gs, b_gb, b_uw, b_us, b_ub, b_xs, b_nws, eps, D, mask_lo,
-                            BITS, BLOCK_G, HAS_NORM, ON_CPU)  # fmt: skip
-            tl.store(p_h + TOP_K * stride_h + o_s, b_hs, mask=m_s)
-        else:
-            pdl_wait(PDL)  # every program of a PDL launch passes the wait
-
-    # Phase 2: every program takes the top-k itself (bitonic, under a microsecond; no
-    # ticket, no extra launch), then both projections of one slot's expert rows,
-    # silu(gate) * up into h (k+1, I) fp32 (stays in L2).
-    if PHASE == 0 or PHASE == 2:
-        if PHASE == 0:
-            grid_sync(p_bar, N_PROGS)
-        # x first: its loads fly while the top-k runs (the weights wait for the expert id).
-        # NOTE: with PDL, x may be read before pdl_wait: it was written before the router
-        # launch ran, and this one starts only once every router program passed its wait.
-        b_x, b_nw = load_x(p_x, p_nw, 0, D // GROUP, True, HAS_NORM, BITS, GROUP, BLOCK_G)
-        if PHASE == 2:
-            pdl_wait(PDL)
-        o_e = tl.arange(0, BLOCK_E)
-        # .cg: the logits were written by other programs of this launch (PHASE 0)
-        b_l = tl.load(p_logits + o_e, mask=o_e < E, other=0.0, cache_modifier=".cg")
-        ids, wts = topk_rows(b_l[None, :], E, TOP_K, BLOCK_K)
-        if PHASE == 2 and pid == 0:  # for phase 3's launch
-            tl.store(p_ids + o_k[None, :], ids, mask=m_k[None, :])
-            tl.store(p_wts + o_k[None, :], wts, mask=m_k[None, :])
-        slot = pid // N_BLOCKS  # programs past the k slots are masked out
-        e64 = tl.sum(tl.sum(tl.where(o_k[None, :] == slot, ids, 0), axis=1), axis=0).to(tl.int64)
-        o_n = (pid % N_BLOCKS) * GU_BN + tl.arange(0, GU_BN)
-        m_n = (o_n < I_E) & (slot < TOP_K)
-        b_gw, b_gs, b_gb, b_uw, b_us, b_ub = _gate_up_words(
-            p_gw + e64 * stride_we, p_gs + e64 * stride_se, p_gb + e64 * stride_se,
-            p_uw + e64 * stride_we, p_us + e64 * stride_se, p_ub + e64 * stride_se, stride_qn,
-            stride_sn, o_n, m_n, D, BITS, GROUP, BLOCK_G,
-        )  # fmt: skip
-        if PHASE == 0:
-            e_k = tl.reshape(ids, (BLOCK_K,)).to(tl.int64)
-            b_r = tl.reshape(wts, (BLOCK_K,))
-            if PREFETCH:
-                # phase 3's expert tiles: the expert ids are known, so they stream with these
-                b_dw, b_ds, b_db = _down_words(p_dw, p_ds, p_db, e_k, m_k, o_d, m_d, stride_dwe,
-                                               stride_dse, stride_dqn, stride_dsn, I_E, BITS,
-                                               GROUP, D_BG)  # fmt: skip
-        b_h = _gate_up(b_gw, b_gs, b_gb, b_uw, b_us, b_ub, b_x, b_nw, eps, D, mask_lo, BITS,
-                       BLOCK_G, HAS_NORM, ON_CPU)  # fmt: skip
-        tl.store(p_h + slot * stride_h + o_n, b_h, mask=m_n)
-
-    # Phase 3: a program owns its output rows across all slots: routing weights, the shared
-    # gate sigmoid(logit) and the residual applied in registers, the row written once.
-    if PHASE == 0 or PHASE == 3:
-        if PHASE == 3:
-            # before pdl_wait (see phase 2's note): the shared h row and gate logit (phase 1,
-            # two launches back), the residual
-            if HAS_SHARED:
-                b_hs3, _ = load_x(p_h + TOP_K * stride_h, p_h, 0, I_S // GROUP, True, False,
-                                  BITS, GROUP, S_BG)  # fmt: skip
-                b_c3 = tl.load(p_logits + E)
-            if HAS_RES:
-                b_res = tl.load(p_res + o_d, mask=m_d, other=0.0).to(tl.float32)
-            pdl_wait(PDL)
-            e_k = tl.load(p_ids + o_k, mask=m_k, other=0).to(tl.int64)
-            b_r = tl.load(p_wts + o_k, mask=m_k, other=0.0)
-            b_dw, b_ds, b_db = _down_words(p_dw, p_ds, p_db, e_k, m_k, o_d, m_d, stride_dwe,
-                                           stride_dse, stride_dqn, stride_dsn, I_E, BITS, GROUP,
-                                           D_BG)  # fmt: skip
-        else:
-            grid_sync(p_bar, N_PROGS)
-            if not PREFETCH:
-                b_dw, b_ds, b_db = _down_words(p_dw, p_ds, p_db, e_k, m_k, o_d, m_d, stride_dwe,
-                                               stride_dse, stride_dqn, stride_dsn, I_E, BITS,
-                                               GROUP, D_BG)  # fmt: skip
-            if HAS_SHARED:
-                o_xs = tl.arange(0, S_BG * GROUP // (32 // BITS))[:, None] * (32 // BITS)
-                o_xs = o_xs + tl.arange(0, 32 // BITS)[None, :]
-                b_hs3 = tl.load(p_h + TOP_K * stride_h + o_xs, mask=o_xs < I_S, other=0.0,
-                                cache_modifier=".cg")  # fmt: skip
-                b_c3 = tl.load(p_logits + E, cache_modifier=".cg")
-            if HAS_RES:
-                b_res = tl.load(p_res + o_d, mask=m_d, other=0.0).to(tl.float32)
-        PER: tl.constexpr = 32 // BITS
-        BW: tl.constexpr = D_BG * GROUP // PER
-        o_x = tl.arange(0, BW)[:, None] * PER + tl.arange(0, PER)[None, :]
-        m_x = m_k[:, None, None] & (o_x < I_E)[None, :, :]
-        b_hk = tl.load(p_h + o_k[:, None, None] * stride_h + o_x[None, :, :], mask=m_x, other=0.0,
-                       cache_modifier=".cg")  # fmt: skip
-        acc = tl.sum(_gemv_tile3(b_dw, b_ds, b_db, b_hk, mask_lo, BITS, D_BG) * b_r[:, None],
-                     axis=0)  # fmt: skip
-        if HAS_SHARED:
-            acc += gemv_tile(b_sw, b_ss, b_sb, b_hs3, mask_lo, BITS, S_BG) * _sigmoid(b_c3)
-        if HAS_RES:
-            acc += b_res
-        tl.store(p_out + o_d, cast_to(acc, p_out.dtype.element_ty, ON_CPU), mask=m_d)
+    acc = tl.sum(_gemv_tile3(b_w, b_s, b_b, b_h, mask_lo, BITS, BLOCK_G) * b_r[:, None], axis=0)
+    if HAS_SHARED:
+        acc += gemv_tile(b_sw, b_ss, b_sb, b_hs, mask_lo, BITS, S_BG) * _sigmoid(b_c)
+    if HAS_RES:
+        acc += b_res
+    tl.store(p_out + o_n, cast_to(acc, p_out.dtype.element_ty, ON_CPU), mask=m_n)
 
 
 @dataclass(frozen=True)
 class MoeDecodeConfig:
-    """Rows per program of each phase and warps per program (whole K per program).
+    """Rows per program of each launch and warps per program (whole K per program).
 
     router_rows: router rows (E / router_rows programs, plus one for the shared gate);
-    shared_rows: shared-expert gate/up rows (I_s / shared_rows programs, same phase);
+    shared_rows: shared-expert gate/up rows (I_s / shared_rows programs, same launch);
     gate_up_rows: routed gate/up rows (k * I / gate_up_rows programs);
-    down_rows: output rows of the down phase (D / down_rows programs);
-    persistent: the three phases in one launch with grid barriers between them, on a GPU
-    where the largest phase's programs fit one an SM (else, and without a GPU, three
-    launches); num_warps is then every phase's. prefetch_down: (one launch) the expert
-    down tiles are loaded before the barrier ahead of the down phase, with gate/up's.
+    down_rows: output rows of the down launch (D / down_rows programs).
     """
 
     router_rows: int = 4
@@ -390,8 +326,6 @@ class MoeDecodeConfig:
     down_rows: int = 8
     num_warps: int = 4
     down_warps: int = 4
-    persistent: bool = False
-    prefetch_down: bool = True
 
     def __post_init__(self) -> None:
         for name in ("router_rows", "shared_rows", "gate_up_rows", "down_rows", "num_warps",
@@ -401,38 +335,6 @@ class MoeDecodeConfig:
                 raise ValueError(f"MoeDecodeConfig.{name} must be a power of two, got {v}")
         if self.router_rows < 2:
             raise ValueError("MoeDecodeConfig.router_rows must be >= 2")
-
-
-# The runner's table at the model's shape (E 256, D 2048, I 512, Is 512, top-8): one
-# program an SM in 97 / 128 / 128 units (docs/notes/decode_step.md).
-PERSISTENT = MoeDecodeConfig(router_rows=8, shared_rows=16, gate_up_rows=32, down_rows=16,
-                             num_warps=8, down_warps=8, persistent=True)  # fmt: skip
-
-
-@functools.lru_cache(maxsize=16)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-_BARRIERS: dict[torch.device, Tensor] = {}
-
-
-def grid_barrier(device: torch.device) -> Tensor:
-    """The device's grid-barrier words (int32 [arrivals, generation], zeroed once; the
-    kernel leaves the arrivals at 0). One per device: the engine runs one decode at a time,
-    and a launch only starts once the one before it has finished (PDL included)."""
-    bar = _BARRIERS.get(device)
-    if bar is None:
-        bar = _BARRIERS[device] = torch.zeros(2, dtype=torch.int32, device=device)
-    return bar
-
-
-def one_launch(cfg: MoeDecodeConfig, n_progs: int, device: torch.device) -> bool:
-    """Whether the persistent form runs: asked for, on a GPU, and every program resident at
-    once (one an SM always fits: ptxas keeps a program within one SM's registers)."""
-    if not cfg.persistent or device.type != "cuda":
-        return False
-    return n_progs <= _sm_count(device.index if device.index is not None else 0)
 
 
 def _check_moe_weights(
@@ -539,56 +441,59 @@ def moe_decode(
     nw = norm_weight if has_norm else x
     norm_block, norm_steps = norm_meta(d)
     gs = gate.group_size
+    block_k = pow2(top_k)
     pdl = use_pdl(pdl, dev)
 
-    # phase 1: router logits, the shared gate's logit (slot E), the shared expert's h (row k);
-    # phase 2: top-k, routed gate/up (program 0 writes the (expert, weight) pairs for a
-    # separate phase 3); phase 3: down for all slots, weighted sum, shared gate, residual.
+    # 1. router logits, the shared gate's logit (slot E), the shared expert's h (row k).
     logits = torch.empty(e + 1, dtype=torch.float32, device=dev)
     h = torch.empty((top_k + 1, max(i, i_s)), dtype=torch.float32, device=dev)
-    ids = torch.empty(top_k, dtype=torch.int32, device=dev)
-    wts = torch.empty(top_k, dtype=torch.float32, device=dev)
-    out = torch.empty(d, dtype=x.dtype, device=dev)
     r_progs = cdiv(e, cfg.router_rows)
     seg = shared_expert_gate if has_shared else router
     sg, su, sd = (shared_gate, shared_up, shared_down) if has_shared else (gate[0], up[0], down[0])
     s_progs = 1 + cdiv(i_s, cfg.shared_rows) if has_shared else 0
-    nb = cdiv(i, cfg.gate_up_rows)
-    grids = (r_progs + s_progs, top_k * nb, cdiv(d, cfg.down_rows))
-    persistent = one_launch(cfg, max(grids), dev)
-    args = (
-        x, nw, logits, h, ids, wts, residual if residual is not None else out, out,
-        grid_barrier(dev) if persistent else ids,
+    _moe_router_kernel[(r_progs + s_progs,)](
+        x, nw, logits, h,
         router.qweight, router.scales, router.biases, router.qweight.stride(0),
-        router.scales.stride(0), seg.qweight, seg.scales, seg.biases,
+        router.scales.stride(0),
+        seg.qweight, seg.scales, seg.biases,
         sg.qweight, sg.scales, sg.biases, su.qweight, su.scales, su.biases,
         sg.qweight.stride(0), sg.scales.stride(0),
-        sd.qweight, sd.scales, sd.biases, sd.qweight.stride(0), sd.scales.stride(0),
+        e, d, i_s, h.stride(0), mask_lo(router.bits), mask_lo(seg.bits), mask_lo(gate.bits),
+        float(eps),
+        TOP_K=top_k, R_PROGS=r_progs, R_BN=cfg.router_rows, R_BITS=router.bits,
+        R_GROUP=router.group_size, R_BG=_whole(d, router.group_size), C_BITS=seg.bits,
+        C_GROUP=seg.group_size, C_BG=_whole(d, seg.group_size), S_BN=cfg.shared_rows,
+        BITS=gate.bits, GROUP=gs, S_BG=_whole(d, gs), HAS_NORM=has_norm,
+        NORM_BLOCK=norm_block, NORM_STEPS=norm_steps, ON_CPU=on_cpu, PDL=pdl,
+        num_warps=cfg.num_warps, **pdl_launch(pdl),
+    )  # fmt: skip
+
+    # 2. top-k in every program, routed gate/up; program 0 writes the (expert, weight) pairs.
+    ids = torch.empty(top_k, dtype=torch.int32, device=dev)
+    wts = torch.empty(top_k, dtype=torch.float32, device=dev)
+    nb = cdiv(i, cfg.gate_up_rows)
+    _moe_gate_up_kernel[(top_k * nb,)](
+        x, nw, logits, ids, wts, h,
         gate.qweight, gate.scales, gate.biases, up.qweight, up.scales, up.biases,
         gate.qweight.stride(0), gate.scales.stride(0), gate.qweight.stride(1),
         gate.scales.stride(1),
+        e, d, i, h.stride(0), mask_lo(gate.bits), float(eps),
+        TOP_K=top_k, BLOCK_K=block_k, BLOCK_E=pow2(e), BITS=gate.bits,
+        GROUP=gs, BLOCK_G=_whole(d, gs), BLOCK_N=cfg.gate_up_rows, N_BLOCKS=nb,
+        HAS_NORM=has_norm, ON_CPU=on_cpu, PDL=pdl, num_warps=cfg.num_warps, **pdl_launch(pdl),
+    )  # fmt: skip
+
+    # 3. down for all slots, weighted sum, shared gate, residual.
+    out = torch.empty(d, dtype=x.dtype, device=dev)
+    _moe_down_kernel[(cdiv(d, cfg.down_rows),)](
+        h, ids, wts, logits, residual if residual is not None else out, out,
         down.qweight, down.scales, down.biases, down.qweight.stride(0), down.scales.stride(0),
         down.qweight.stride(1), down.scales.stride(1),
-        e, d, i, i_s, h.stride(0), mask_lo(router.bits), mask_lo(seg.bits), mask_lo(gate.bits),
-        float(eps),
+        sd.qweight, sd.scales, sd.biases, sd.qweight.stride(0), sd.scales.stride(0),
+        e, d, i, i_s, h.stride(0), mask_lo(down.bits),
+        TOP_K=top_k, BLOCK_K=block_k, BITS=down.bits, GROUP=down.group_size,
+        BLOCK_G=_whole(i, down.group_size), S_BG=_whole(max(i_s, down.group_size), gs),
+        BLOCK_N=cfg.down_rows, HAS_SHARED=has_shared, HAS_RES=residual is not None,
+        ON_CPU=on_cpu, PDL=pdl, num_warps=cfg.down_warps, **pdl_launch(pdl),
     )  # fmt: skip
-    meta = dict(
-        TOP_K=top_k, BLOCK_K=pow2(top_k), BLOCK_E=pow2(e), R_PROGS=r_progs, R_BN=cfg.router_rows,
-        R_BITS=router.bits, R_GROUP=router.group_size, R_BG=_whole(d, router.group_size),
-        C_BITS=seg.bits, C_GROUP=seg.group_size, C_BG=_whole(d, seg.group_size),
-        S_PROGS=s_progs, S_BN=cfg.shared_rows, BITS=gate.bits, GROUP=gs, BLOCK_G=_whole(d, gs),
-        D_BG=_whole(i, gs), S_BG=_whole(max(i_s, gs), gs), GU_BN=cfg.gate_up_rows,
-        N_BLOCKS=nb, D_BN=cfg.down_rows, HAS_SHARED=has_shared, HAS_NORM=has_norm,
-        HAS_RES=residual is not None, NORM_BLOCK=norm_block, NORM_STEPS=norm_steps,
-        ON_CPU=on_cpu, PDL=pdl, **pdl_launch(pdl),
-    )  # fmt: skip
-    if persistent:
-        meta["PREFETCH"] = cfg.prefetch_down
-        n = max(grids)
-        _moe_decode_kernel[(n,)](*args, PHASE=0, N_PROGS=n, num_warps=cfg.num_warps, **meta)
-        return out
-    for phase, grid, warps in ((1, grids[0], cfg.num_warps), (2, grids[1], cfg.num_warps),
-                               (3, grids[2], cfg.down_warps)):  # fmt: skip
-        _moe_decode_kernel[(grid,)](*args, PHASE=phase, N_PROGS=grid, num_warps=warps,
-                                    PREFETCH=False, **meta)  # fmt: skip
     return out

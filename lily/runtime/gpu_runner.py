@@ -25,7 +25,7 @@ from lily.ops.deltanet_prefill import deltanet_prefill
 from lily.ops.embedding import DTYPES as EMBED_DTYPES
 from lily.ops.embedding import embedding_rows
 from lily.ops.launch import to_device
-from lily.ops.moe_decode import MoeDecodeConfig, moe_decode
+from lily.ops.moe_decode import moe_decode
 from lily.ops.moe_prefill import moe_prefill
 from lily.ops.norm_rope import rope_inv_freq
 from lily.ops.qgemm import qgemm
@@ -165,9 +165,6 @@ class GpuRunner(Runner):
         # DeltaNet projections 8.67 -> 7.47 us, attention's 7.6 -> 5.81, o_proj 4.38 -> 3.97,
         # lm_head 114 -> 89 us after its own norm launch; bench/results/linear_mma_h200.json)
         self.mma = mma
-        # The decode MoE's tiles; three launches (the one-launch form with grid barriers was
-        # slower inside the step: docs/notes/decode_step.md).
-        self.moe_config = MoeDecodeConfig()
         self.cfg: ModelConfig = model.cfg
         self.p = model.params
         self.chunk = max(1, chunk)
@@ -245,8 +242,7 @@ class GpuRunner(Runner):
             # The post-attention norm is fused into the MoE's prologue; x stays the residual.
             x = moe_decode(x, *[p[pre + "moe." + n] for n in MOE_WEIGHTS],
                            top_k=cfg.num_experts_per_tok, residual=x,
-                           norm_weight=p[pre + "post_norm"], eps=eps, config=self.moe_config,
-                           pdl=self.pdl)  # fmt: skip
+                           norm_weight=p[pre + "post_norm"], eps=eps, pdl=self.pdl)  # fmt: skip
         w = p["lm_head"]
         if isinstance(w, QuantWeight) and self._on_mma(w):
             # its own norm launch: in the GEMV's prologue each of ~7,800 programs redid it
