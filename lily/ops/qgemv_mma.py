@@ -81,18 +81,23 @@ def _as_term(t, ON_CPU: tl.constexpr):
     return t.to(tl.bfloat16)
 
 
-@launched
 @triton.jit
-def _qgemv_mma_kernel(
-    p_x, p_qw, p_s, p_b, p_nw, p_res, p_out, N, stride_qn, stride_sn, pair_mask, eps,
+def mma_tile(
+    p_qw, p_s, p_b, p_ids, row0, N, stride_qn, stride_sn, stride_we, stride_se,
     GROUP: tl.constexpr, NG: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
-    W: tl.constexpr, TERMS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ON_CPU: tl.constexpr, PDL: tl.constexpr,
+    W: tl.constexpr, SG: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
-    i_n = tl.program_id(0)
+    """Loads one program's weights, rows row0.. (BLOCK_N of N) x the G groups of K, for
+    ``mma_dot``: (words (G, BLOCK_N, 4, WPL), scales, biases (raw, in the load's layout)).
+
+    ``SG > 0``: K is slots of SG groups, slot j's rows are those of expert ``p_ids[j]`` (a
+    stride_we / stride_se apart): the MoE's down projection over its chosen experts as one
+    K (NG = slots * SG). Groups past NG read a real group again; their scales and biases
+    are 0."""
     WPL: tl.constexpr = GROUP // 32  # words a lane holds of a row and group
     GH: tl.constexpr = G // W  # groups a warp takes
     NH: tl.constexpr = BLOCK_N // 8
+    WPG: tl.constexpr = GROUP // 8  # words a group
     # MMA batch b = gh * W + gw runs in warp gw and holds group gw * GH + gh (a warp's groups
     # are contiguous). A lane (c = lane % 4, lo = lane // 4) of a row block of 16 holds rows
     # lo and lo + 8 and words WPL*c.. of each group. Loaded as dims (c, lo, gw, hi, gh, v):
@@ -105,15 +110,22 @@ def _qgemv_mma_kernel(
     o_hi = tl.arange(0, NH)[None, None, None, :, None, None]
     o_gh = tl.arange(0, GH)[None, None, None, None, :, None]
     o_v = tl.arange(0, WPL)[None, None, None, None, None, :]
-    r = i_n * BLOCK_N + o_hi * 8 + o_lo
-    WPG: tl.constexpr = GROUP // 8  # words a group
-    o_g = (o_gw * GH + o_gh) * WPG
-    if not EVEN_K:
-        # Groups past NG (K padded to G groups) read group NG - 1 again (cache hits; their
-        # scales and biases are 0). A mask along groups, or the clamp without the alignment
-        # hint, costs the vector loads and with them the operand layout (A then went through
-        # 128 KB of shared memory).
-        o_g = tl.multiple_of(tl.minimum(o_g, (NG - 1) * WPG), (WPG, WPG, WPG, WPG, WPG, WPG))
+    r = row0 + o_hi * 8 + o_lo
+    if SG > 0:
+        # NOTE: the expert's offset is a multiple of WPG words (stride_we is whole groups);
+        # the hint keeps the words' vector loads (see below).
+        g = tl.minimum(o_gw * GH + o_gh, NG - 1)
+        e = tl.load(p_ids + g // SG).to(tl.int64)
+        o_g = tl.multiple_of(e * stride_we + (g % SG) * WPG, (WPG, WPG, WPG, WPG, WPG, WPG))
+    else:
+        o_g = (o_gw * GH + o_gh) * WPG
+        if not EVEN_K:
+            # Groups past NG (K padded to G groups) read group NG - 1 again (cache hits;
+            # their scales and biases are 0). A mask along groups, or the clamp without the
+            # alignment hint, costs the vector loads and with them the operand layout (A
+            # then went through 128 KB of shared memory).
+            o_g = tl.multiple_of(tl.minimum(o_g, (NG - 1) * WPG),
+                                 (WPG, WPG, WPG, WPG, WPG, WPG))  # fmt: skip
     if WPL == 1:
         # one word a lane: c would be contiguous and get vectorized into one thread
         o_c = (o_c * 2) // 2
@@ -133,9 +145,13 @@ def _qgemv_mma_kernel(
     q_gw = tl.arange(0, W)[None, None, :, None, None]
     q_hi = tl.arange(0, NH)[None, None, None, :, None]
     q_gh = tl.arange(0, GH)[None, None, None, None, :]
-    r_sb = i_n * BLOCK_N + q_hi * 8 + q_lo + q_c
+    r_sb = row0 + q_hi * 8 + q_lo + q_c
     g_sb = q_gw * GH + q_gh
-    p_sb = r_sb * stride_sn + g_sb
+    if SG > 0:
+        e_sb = tl.load(p_ids + tl.minimum(g_sb, NG - 1) // SG).to(tl.int64)
+        p_sb = e_sb * stride_se + r_sb * stride_sn + g_sb % SG
+    else:
+        p_sb = r_sb * stride_sn + g_sb
     if EVEN_N and EVEN_K:
         b_s = tl.load(p_s + p_sb)
         b_b = tl.load(p_b + p_sb)
@@ -143,10 +159,14 @@ def _qgemv_mma_kernel(
         m_sb = (r_sb < N) & (g_sb < NG)
         b_s = tl.load(p_s + p_sb, mask=m_sb, other=0.0)
         b_b = tl.load(p_b + p_sb, mask=m_sb, other=0.0)
-    # Everything above reads only constants; x and the residual may be the previous kernel's.
-    pdl_wait(PDL)
+    return b_w, b_s, b_b
 
-    # x: the norm, the per-group sums, and the bf16 terms in the MMA's K order.
+
+@triton.jit
+def mma_x_row(p_x, p_nw, eps, NG: tl.constexpr, G: tl.constexpr, GROUP: tl.constexpr,
+              HAS_NORM: tl.constexpr, EVEN_K: tl.constexpr, ON_CPU: tl.constexpr):  # fmt: skip
+    """The row x (NG groups, padded to G with zeros) as fp32 in memory order, rmsnorm'ed
+    (rounded to x's dtype, as ``rms_norm`` returns it) with ``HAS_NORM``."""
     o_k = tl.arange(0, G * GROUP)
     m_k = o_k < NG * GROUP
     if EVEN_K:
@@ -157,9 +177,17 @@ def _qgemv_mma_kernel(
         b_nw = tl.load(p_nw + o_k, mask=m_k, other=0.0)
         b_xf = b_x.to(tl.float32)
         rstd = 1.0 / tl.sqrt_rn(tl.sum(b_xf * b_xf, axis=0) / (NG * GROUP) + eps)
-        b_xn = norm_x(b_x, b_nw, rstd, True, ON_CPU)
-    else:
-        b_xn = b_x.to(tl.float32)
+        return norm_x(b_x, b_nw, rstd, True, ON_CPU)
+    return b_x.to(tl.float32)
+
+
+@triton.jit
+def mma_x(b_xn, G: tl.constexpr, GROUP: tl.constexpr, W: tl.constexpr, TERMS: tl.constexpr,
+          ON_CPU: tl.constexpr):  # fmt: skip
+    """fp32 x (G * GROUP,) in memory order -> (the MMA's B operand (G, GROUP, 8) in the
+    codes' K order, the per-group sums (G,)): x's values held exactly in TERMS bf16 terms."""
+    WPL: tl.constexpr = GROUP // 32
+    GH: tl.constexpr = G // W
     # (groups in memory order) -> (batches): group gw * GH + gh is batch gh * W + gw.
     b_xn = tl.reshape(tl.permute(tl.reshape(b_xn, (W, GH, GROUP)), (1, 0, 2)), (G, GROUP))
     b_xs = tl.sum(b_xn, axis=1)
@@ -187,14 +215,23 @@ def _qgemv_mma_kernel(
             b_t = tl.reshape(b_t, (G, GROUP, 4))
             b_xb = tl.reshape(tl.broadcast_to(b_t[:, :, None, :], (G, GROUP, 2, 4)),
                               (G, GROUP, 8))  # fmt: skip
+    return b_xb, b_xs
 
+
+@triton.jit
+def mma_dot(b_w, b_s, b_b, b_xb, b_xs, pair_mask, G: tl.constexpr, BLOCK_N: tl.constexpr,
+            W: tl.constexpr, TERMS: tl.constexpr, ON_CPU: tl.constexpr):  # fmt: skip
+    """fp32 (BLOCK_N,) = the tile's rows times x, from ``mma_tile``'s and ``mma_x``'s
+    results."""
+    GROUP: tl.constexpr = b_xb.shape[1]
+    GH: tl.constexpr = G // W
     # Codes -> bf16 128 + q: pair m of a word holds codes m (low half) and m + 4 (high half).
     e0 = _bf16_pairs((b_w & pair_mask) | 0x43004300, ON_CPU)
     e1 = _bf16_pairs(((b_w >> 4) & pair_mask) | 0x43004300, ON_CPU)
     e2 = _bf16_pairs(((b_w >> 8) & pair_mask) | 0x43004300, ON_CPU)
     e3 = _bf16_pairs(((b_w >> 12) & pair_mask) | 0x43004300, ON_CPU)
     b_a = tl.join(tl.join(e0, e1), tl.join(e2, e3))
-    # (G, BN, c, v, e, m0, m1) -> (G, BN, v, m1, c, m0, e): K order as above
+    # (G, BN, c, v, e, m0, m1) -> (G, BN, v, m1, c, m0, e): K order as in mma_x
     b_a = tl.reshape(tl.permute(b_a, (0, 1, 3, 6, 2, 5, 4)), (G, BLOCK_N, GROUP))
     b_d = tl.dot(b_a, b_xb, input_precision="ieee")  # (G, BLOCK_N, 8) fp32
 
@@ -212,7 +249,25 @@ def _qgemv_mma_kernel(
         b_t = tl.sum(b_t, axis=2) * 0.5
     else:
         b_t = tl.reduce(b_t, 2, _first)  # the four lanes agree: no shuffles
-    acc = tl.sum(b_t, axis=0)  # the warps' shares of K
+    return tl.sum(b_t, axis=0)  # the warps' shares of K
+
+
+@launched
+@triton.jit
+def _qgemv_mma_kernel(
+    p_x, p_qw, p_s, p_b, p_nw, p_res, p_out, N, stride_qn, stride_sn, pair_mask, eps,
+    GROUP: tl.constexpr, NG: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
+    W: tl.constexpr, TERMS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ON_CPU: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    i_n = tl.program_id(0)
+    b_w, b_s, b_b = mma_tile(p_qw, p_s, p_b, p_qw, i_n * BLOCK_N, N, stride_qn, stride_sn, 0, 0,
+                             GROUP, NG, G, BLOCK_N, W, 0, EVEN_N, EVEN_K)  # fmt: skip
+    # Everything above reads only constants; x and the residual may be the previous kernel's.
+    pdl_wait(PDL)
+    b_xn = mma_x_row(p_x, p_nw, eps, NG, G, GROUP, HAS_NORM, EVEN_K, ON_CPU)
+    b_xb, b_xs = mma_x(b_xn, G, GROUP, W, TERMS, ON_CPU)
+    acc = mma_dot(b_w, b_s, b_b, b_xb, b_xs, pair_mask, G, BLOCK_N, W, TERMS, ON_CPU)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     if HAS_RES:
