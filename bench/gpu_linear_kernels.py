@@ -100,10 +100,10 @@ PREFILL_BM = (16, 32, 64, 128)
 CHECK_T = 512  # prefill lengths checked against the reference on every config
 GEMV_GRAPH_CALLS = 32
 ROWS_SHAPE = (8192, 2048)  # the shape of the few-rows comparison
-DECODE_CFGS = [  # moe_decode variants (None: the table)
-    None, MoeDecodeConfig(down_rows=4), MoeDecodeConfig(down_rows=16, down_warps=8),
-    MoeDecodeConfig(gate_up_rows=16, num_warps=8), MoeDecodeConfig(gate_up_rows=4),
-    MoeDecodeConfig(router_rows=2, shared_rows=4),
+DECODE_CFGS = [  # moe_decode variants (None: the table, the experts on the tensor cores)
+    None, MoeDecodeConfig(mma=False), MoeDecodeConfig(mma_rows=32),
+    MoeDecodeConfig(mma_warps=4), MoeDecodeConfig(mma_warps=16),
+    MoeDecodeConfig(mma_rows=32, mma_warps=16),
 ]  # fmt: skip
 CHAIN_LAYERS = 8
 CHAIN_PROJ, CHAIN_O = 12352, 4096  # fused DeltaNet projection rows, mixer output width
@@ -154,6 +154,8 @@ def cfg_str(cfg) -> str:
     if isinstance(cfg, GemmConfig):
         return f"m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
     if isinstance(cfg, MoeDecodeConfig):
+        if cfg.mma:
+            return f"r{cfg.router_rows} s{cfg.shared_rows} mma n{cfg.mma_rows} w{cfg.mma_warps}"
         return (f"r{cfg.router_rows} s{cfg.shared_rows} gu{cfg.gate_up_rows} "
                 f"dn{cfg.down_rows} w{cfg.num_warps}/{cfg.down_warps}")  # fmt: skip
     if isinstance(cfg, MmaGemvConfig):
@@ -837,8 +839,12 @@ def compile_report(only: set[str]) -> list[dict]:
                     "smem": c.metadata.shared, "wgmma": sass.count("HGMMA"),
                     "hmma": sass.count("HMMA."), "instr": sum(o != "NOP" for o in ops),
                     "movs": sum(o in ("MOV", "IMAD.MOV.U32") for o in ops)}  # fmt: skip
-            if "BLOCK_N" in const and "GROUP" in const and "W" in const:  # qgemv_mma
-                codes = const["BLOCK_N"] * const["NG"] * const["GROUP"] / (32 * const["W"])
+            if "BLOCK_N" in const and "GROUP" in const and "W" in const:  # tensor-core tiles
+                # codes a program multiplies: a tile, two (gate and up), or k slots of SG
+                # groups (down; the shared expert's FMA tile not counted)
+                tiles = 2 if "gate_up" in fn.__name__ else 1
+                ng = const["NG"] if "NG" in const else const["TOP_K"] * const["SG"]
+                codes = tiles * const["BLOCK_N"] * ng * const["GROUP"] / (32 * const["W"])
                 row["instr_per_code"] = row["instr"] / codes
         except Exception as e:  # noqa: BLE001 - a config that does not compile is data
             row["error"] = f"{type(e).__name__}: {e}"[:ERR_CHARS]

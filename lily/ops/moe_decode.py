@@ -14,6 +14,13 @@ weight loads at once (whole K per program), before any reduction:
    loading the k experts' tiles as one (k, rows, words) block; routing weights, the shared
    gate ``sigmoid(logit)`` and the residual are applied in registers, the row written once.
 
+Launches 2 and 3 run on the tensor cores where the experts allow it (4-bit, 16-byte rows:
+the model's case; ``MoeDecodeConfig.mma``): ``_moe_gate_up_mma_kernel`` and
+``_moe_down_mma_kernel`` use qgemv_mma's tile (codes unpacked straight into MMA operands), the
+down launch taking the k chosen experts' rows as one K of k * I. The FMA kernels spend about
+1.7x the instructions a code (compile-only sm_90 counts, docs/notes/decode_step.md) and stay
+for 8-bit experts and unaligned rows.
+
 With ``norm_weight`` every program of launches 1 and 2 computes ``rmsnorm(x) * norm_weight``
 itself (x is 2048 values), so the layer's post-attention norm costs no launch. ``pdl``:
 programmatic dependent launch (see lily.ops.qgemv), constants loaded before the wait.
@@ -41,6 +48,7 @@ from lily.ops.launch import (
     use_pdl,
 )
 from lily.ops.qgemv import _as_f, gemv_block, gemv_tile, load_words, load_x, pdl_wait
+from lily.ops.qgemv_mma import _PAIR_MASK, _TERMS, mma_dot, mma_tile, mma_x, mma_x_row
 from lily.ops.rmsnorm import cast_to, check_norm, norm_meta, norm_x
 from lily.quant import QuantWeight
 
@@ -310,6 +318,97 @@ def _moe_down_kernel(
     tl.store(p_out + o_n, cast_to(acc, p_out.dtype.element_ty, ON_CPU), mask=m_n)
 
 
+@launched
+@triton.jit
+def _moe_gate_up_mma_kernel(
+    p_x, p_nw, p_logits, p_ids, p_wts, p_h,
+    p_gw, p_gs, p_gb, p_uw, p_us, p_ub, stride_we, stride_se, stride_qn, stride_sn,
+    E, I_E, stride_h, pair_mask, eps,
+    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, GROUP: tl.constexpr,
+    NG: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, W: tl.constexpr,
+    N_BLOCKS: tl.constexpr, TERMS: tl.constexpr, HAS_NORM: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ON_CPU: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    # _moe_gate_up_kernel on the tensor cores (qgemv_mma's tile): same routing and output.
+    pid = tl.program_id(0)
+    slot = pid // N_BLOCKS
+    row0 = (pid % N_BLOCKS) * BLOCK_N
+    o_e = tl.arange(0, BLOCK_E)
+    o_k = tl.arange(0, BLOCK_K)
+    # x and its MMA operand before the wait (x was written before the router kernel ran:
+    # see _moe_gate_up_kernel's note); the weights must wait for the expert id.
+    b_xn = mma_x_row(p_x, p_nw, eps, NG, G, GROUP, HAS_NORM, EVEN_K, ON_CPU)
+    b_xb, b_xs = mma_x(b_xn, G, GROUP, W, TERMS, ON_CPU)
+    pdl_wait(PDL)
+    b_l = tl.load(p_logits + o_e, mask=o_e < E, other=0.0)
+    ids, wts = topk_rows(b_l[None, :], E, TOP_K, BLOCK_K)
+    if pid == 0:
+        tl.store(p_ids + o_k[None, :], ids, mask=(o_k < TOP_K)[None, :])
+        tl.store(p_wts + o_k[None, :], wts, mask=(o_k < TOP_K)[None, :])
+    e64 = tl.sum(tl.sum(tl.where(o_k[None, :] == slot, ids, 0), axis=1), axis=0).to(tl.int64)
+    # NOTE: whole experts apart, so the words' vector loads stay (see mma_tile)
+    o_we = tl.multiple_of(e64 * stride_we, 16)
+    o_se = e64 * stride_se
+    g_w, g_s, g_b = mma_tile(
+        p_gw + o_we, p_gs + o_se, p_gb + o_se, p_ids, row0, I_E, stride_qn, stride_sn, 0, 0,
+        GROUP, NG, G, BLOCK_N, W, 0, EVEN_N, EVEN_K,
+    )  # fmt: skip
+    u_w, u_s, u_b = mma_tile(
+        p_uw + o_we, p_us + o_se, p_ub + o_se, p_ids, row0, I_E, stride_qn, stride_sn, 0, 0,
+        GROUP, NG, G, BLOCK_N, W, 0, EVEN_N, EVEN_K,
+    )  # fmt: skip
+    b_g = mma_dot(g_w, g_s, g_b, b_xb, b_xs, pair_mask, G, BLOCK_N, W, TERMS, ON_CPU)
+    b_u = mma_dot(u_w, u_s, u_b, b_xb, b_xs, pair_mask, G, BLOCK_N, W, TERMS, ON_CPU)
+    o_n = row0 + tl.arange(0, BLOCK_N)
+    tl.store(p_h + slot * stride_h + o_n, b_g * _sigmoid(b_g) * b_u, mask=o_n < I_E)
+
+
+@launched
+@triton.jit
+def _moe_down_mma_kernel(
+    p_h, p_ids, p_wts, p_logits, p_res, p_out,
+    p_dw, p_ds, p_db, stride_we, stride_se, stride_qn, stride_sn,
+    p_sdw, p_sds, p_sdb, stride_sqn, stride_ssn,
+    E, D, I_S, stride_h, pair_mask, mask_lo,
+    TOP_K: tl.constexpr, GROUP: tl.constexpr, SG: tl.constexpr, G: tl.constexpr,
+    W: tl.constexpr, BITS: tl.constexpr, S_BG: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SHARED: tl.constexpr, HAS_RES: tl.constexpr, EVEN_N: tl.constexpr,
+    ON_CPU: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    # _moe_down_kernel with the routed experts on the tensor cores: the k chosen experts'
+    # rows are one K of k * I (slot j = expert ids[j]; with 8 warps and k = 8 a warp takes a
+    # slot), x is the slots' h rows times their routing weights. The shared expert (loaded
+    # before the wait, as there) stays on the FMA path: its I_S may not fill the warps.
+    NG: tl.constexpr = TOP_K * SG
+    i_n = tl.program_id(0)
+    row0 = i_n * BLOCK_N
+    o_n = row0 + tl.arange(0, BLOCK_N)
+    m_n = o_n < D
+    if HAS_SHARED:
+        b_sw, b_ss, b_sb = load_words(p_sdw, p_sds, p_sdb, stride_sqn, stride_ssn, o_n, m_n, 0,
+                                      I_S // GROUP, BITS, GROUP, S_BG)  # fmt: skip
+        b_hs, _ = load_x(p_h + TOP_K * stride_h, p_h, 0, I_S // GROUP, True, False, BITS, GROUP,
+                         S_BG)  # fmt: skip
+        b_c = tl.load(p_logits + E)
+    if HAS_RES:
+        b_res = tl.load(p_res + o_n, mask=m_n, other=0.0).to(tl.float32)
+    pdl_wait(PDL)
+    b_w, b_s, b_b = mma_tile(p_dw, p_ds, p_db, p_ids, row0, D, stride_qn, stride_sn, stride_we,
+                             stride_se, GROUP, NG, G, BLOCK_N, W, SG, EVEN_N, NG == G)  # fmt: skip
+    o_x = tl.arange(0, G * GROUP)
+    m_x = o_x < NG * GROUP
+    x_slot = o_x // (SG * GROUP)
+    b_hx = tl.load(p_h + x_slot * stride_h + o_x % (SG * GROUP), mask=m_x, other=0.0)
+    b_hx *= tl.load(p_wts + x_slot, mask=m_x, other=0.0)
+    b_xb, b_xs = mma_x(b_hx, G, GROUP, W, 3, ON_CPU)  # h is fp32: three bf16 terms, exact
+    acc = mma_dot(b_w, b_s, b_b, b_xb, b_xs, pair_mask, G, BLOCK_N, W, 3, ON_CPU)
+    if HAS_SHARED:
+        acc += gemv_tile(b_sw, b_ss, b_sb, b_hs, mask_lo, BITS, S_BG) * _sigmoid(b_c)
+    if HAS_RES:
+        acc += b_res
+    tl.store(p_out + o_n, cast_to(acc, p_out.dtype.element_ty, ON_CPU), mask=m_n)
+
+
 @dataclass(frozen=True)
 class MoeDecodeConfig:
     """Rows per program of each launch and warps per program (whole K per program).
@@ -317,7 +416,10 @@ class MoeDecodeConfig:
     router_rows: router rows (E / router_rows programs, plus one for the shared gate);
     shared_rows: shared-expert gate/up rows (I_s / shared_rows programs, same launch);
     gate_up_rows: routed gate/up rows (k * I / gate_up_rows programs);
-    down_rows: output rows of the down launch (D / down_rows programs).
+    down_rows: output rows of the down launch (D / down_rows programs);
+    mma: routed gate/up and down on the tensor cores (qgemv_mma's tile) where the experts
+    are 4-bit with 16-byte rows, with mma_rows rows a program (16, 32 or 64) on mma_warps
+    warps (they split K); else the FMA kernels with the rows above.
     """
 
     router_rows: int = 4
@@ -326,15 +428,20 @@ class MoeDecodeConfig:
     down_rows: int = 8
     num_warps: int = 4
     down_warps: int = 4
+    mma: bool = True
+    mma_rows: int = 16
+    mma_warps: int = 8
 
     def __post_init__(self) -> None:
         for name in ("router_rows", "shared_rows", "gate_up_rows", "down_rows", "num_warps",
-                     "down_warps"):  # fmt: skip
+                     "down_warps", "mma_warps"):  # fmt: skip
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"MoeDecodeConfig.{name} must be a power of two, got {v}")
         if self.router_rows < 2:
             raise ValueError("MoeDecodeConfig.router_rows must be >= 2")
+        if self.mma_rows not in (16, 32, 64):
+            raise ValueError(f"MoeDecodeConfig.mma_rows must be 16, 32 or 64, got {self.mma_rows}")
 
 
 def _check_moe_weights(
@@ -383,6 +490,14 @@ def _check_shared(
     if tuple(seg.shape) != (1, d):
         raise ValueError(f"{name}: shared_expert_gate must be (1, {d}), got {seg.shape}")
     return i_s
+
+
+def _mma_fits(w: QuantWeight) -> bool:
+    """Experts (E, N, K) the tensor-core tile takes: 4 bits, rows and experts on 16-byte
+    boundaries (the words load four at a time straight into the MMA's registers)."""
+    q = w.qweight
+    return (w.bits == 4 and q.stride(0) % 4 == 0 and q.stride(1) % 4 == 0 and q.stride(2) == 1
+            and q.data_ptr() % 16 == 0)  # fmt: skip
 
 
 def _whole(k: int, group_size: int) -> int:
@@ -471,6 +586,12 @@ def moe_decode(
     # 2. top-k in every program, routed gate/up; program 0 writes the (expert, weight) pairs.
     ids = torch.empty(top_k, dtype=torch.int32, device=dev)
     wts = torch.empty(top_k, dtype=torch.float32, device=dev)
+    out = torch.empty(d, dtype=x.dtype, device=dev)
+    res = residual if residual is not None else out
+    if cfg.mma and all(_mma_fits(w) for w in (gate, up, down)):
+        _moe_mma(x, nw, logits, ids, wts, h, res, out, gate, up, down, sd, e, d, i, i_s, top_k,
+                 eps, cfg, has_norm, has_shared, residual is not None, on_cpu, pdl)  # fmt: skip
+        return out
     nb = cdiv(i, cfg.gate_up_rows)
     _moe_gate_up_kernel[(top_k * nb,)](
         x, nw, logits, ids, wts, h,
@@ -484,9 +605,8 @@ def moe_decode(
     )  # fmt: skip
 
     # 3. down for all slots, weighted sum, shared gate, residual.
-    out = torch.empty(d, dtype=x.dtype, device=dev)
     _moe_down_kernel[(cdiv(d, cfg.down_rows),)](
-        h, ids, wts, logits, residual if residual is not None else out, out,
+        h, ids, wts, logits, res, out,
         down.qweight, down.scales, down.biases, down.qweight.stride(0), down.scales.stride(0),
         down.qweight.stride(1), down.scales.stride(1),
         sd.qweight, sd.scales, sd.biases, sd.qweight.stride(0), sd.scales.stride(0),
@@ -497,3 +617,40 @@ def moe_decode(
         ON_CPU=on_cpu, PDL=pdl, num_warps=cfg.down_warps, **pdl_launch(pdl),
     )  # fmt: skip
     return out
+
+
+def _moe_mma(
+    x, nw, logits, ids, wts, h, res, out, gate, up, down, sd, e, d, i, i_s, top_k, eps, cfg,
+    has_norm, has_shared, has_res, on_cpu, pdl,
+) -> None:  # fmt: skip
+    """Launches 2 and 3 of ``moe_decode`` on the tensor cores (arguments as checked there)."""
+    gs = gate.group_size
+    bn = cfg.mma_rows
+    # gate/up: K = D; one program a (slot, bn rows of I)
+    ng = d // gs
+    g = pow2(ng)
+    w = min(cfg.mma_warps, g)
+    nb = cdiv(i, bn)
+    _moe_gate_up_mma_kernel[(top_k * nb,)](
+        x, nw, logits, ids, wts, h,
+        gate.qweight, gate.scales, gate.biases, up.qweight, up.scales, up.biases,
+        gate.qweight.stride(0), gate.scales.stride(0), gate.qweight.stride(1),
+        gate.scales.stride(1), e, i, h.stride(0), _PAIR_MASK, float(eps),
+        TOP_K=top_k, BLOCK_K=pow2(top_k), BLOCK_E=pow2(e), GROUP=gs, NG=ng, G=g, BLOCK_N=bn,
+        W=w, N_BLOCKS=nb, TERMS=_TERMS[x.dtype], HAS_NORM=has_norm, EVEN_N=i % bn == 0,
+        EVEN_K=g == ng, ON_CPU=on_cpu, PDL=pdl, num_warps=w, **pdl_launch(pdl),
+    )  # fmt: skip
+    # down: K = the k slots' I; one program a bn rows of D
+    sg = i // gs
+    g = pow2(top_k * sg)
+    w = min(cfg.mma_warps, g)
+    _moe_down_mma_kernel[(cdiv(d, bn),)](
+        h, ids, wts, logits, res, out,
+        down.qweight, down.scales, down.biases, down.qweight.stride(0), down.scales.stride(0),
+        down.qweight.stride(1), down.scales.stride(1),
+        sd.qweight, sd.scales, sd.biases, sd.qweight.stride(0), sd.scales.stride(0),
+        e, d, i_s, h.stride(0), _PAIR_MASK, mask_lo(down.bits),
+        TOP_K=top_k, GROUP=gs, SG=sg, G=g, W=w, BITS=down.bits,
+        S_BG=_whole(max(i_s, gs), gs), BLOCK_N=bn, HAS_SHARED=has_shared, HAS_RES=has_res,
+        EVEN_N=d % bn == 0, ON_CPU=on_cpu, PDL=pdl, num_warps=w, **pdl_launch(pdl),
+    )  # fmt: skip

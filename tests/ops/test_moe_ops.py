@@ -33,7 +33,8 @@ DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 D, I_E, I_S = 192, 64, 128
 
 
-def make_moe(e: int, bits: int, gs: int, shared: bool, seed: int, device: str) -> dict:
+def make_moe(e: int, bits: int, gs: int, shared: bool, seed: int, device: str, d: int = D,
+             i_e: int = I_E, i_s: int = I_S) -> dict:  # fmt: skip
     g = torch.Generator().manual_seed(seed)
 
     def q(shape, b=bits):
@@ -41,10 +42,10 @@ def make_moe(e: int, bits: int, gs: int, shared: bool, seed: int, device: str) -
 
     w = {
         # Logits of order 1: a soft softmax, so every routing weight matters.
-        "router": quantize(torch.randn(e, D, generator=g) / D**0.5, 8, gs).to(device),
-        "gate": q((e, I_E, D)),
-        "up": q((e, I_E, D)),
-        "down": q((e, D, I_E)),
+        "router": quantize(torch.randn(e, d, generator=g) / d**0.5, 8, gs).to(device),
+        "gate": q((e, i_e, d)),
+        "up": q((e, i_e, d)),
+        "down": q((e, d, i_e)),
         "shared_gate": None,
         "shared_up": None,
         "shared_down": None,
@@ -52,10 +53,10 @@ def make_moe(e: int, bits: int, gs: int, shared: bool, seed: int, device: str) -
     }
     if shared:
         w |= {
-            "shared_gate": q((I_S, D)),
-            "shared_up": q((I_S, D)),
-            "shared_down": q((D, I_S)),
-            "shared_expert_gate": q((1, D), 8),
+            "shared_gate": q((i_s, d)),
+            "shared_up": q((i_s, d)),
+            "shared_down": q((d, i_s)),
+            "shared_expert_gate": q((1, d), 8),
         }
     return w
 
@@ -108,6 +109,43 @@ def test_moe_decode_matches_reference(
     assert moe_err(y, w, h, k, res) < bound
     if norm:  # the norm must matter (x is far from unit RMS)
         assert moe_err(y, w, x, k, res) > 0.1
+
+
+FMA = MoeDecodeConfig(mma=False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "d,i_e,i_s,gs,e,k,dtype,cfg",
+    [
+        (192, 64, 128, 64, 5, 2, torch.bfloat16, FMA),
+        (192, 64, 128, 64, 5, 2, torch.bfloat16, MoeDecodeConfig()),
+        (224, 96, 160, 32, 6, 3, torch.float16, MoeDecodeConfig(mma_rows=64, mma_warps=4)),
+        (256, 128, 0, 128, 9, 4, torch.float32, MoeDecodeConfig(mma_rows=32, mma_warps=2)),
+    ],
+    ids=["fma-4b", "mma-4b", "mma-odd-g32-k3-fp16-n64", "mma-g128-k4-fp32-noshared"],
+)
+def test_moe_decode_tensor_core_path(poison, monkeypatch, device, d, i_e, i_s, gs, e, k, dtype,
+                                     cfg):  # fmt: skip
+    """The routed experts on the tensor cores (qgemv_mma's tile, K as slots of the chosen
+    experts in the down launch) against the reference, and the path actually taken: odd
+    shapes give a K of 7 groups (padded to 8), 3 groups an expert (k * 3 = 9 of 16 in the
+    down launch), row blocks past D and I, groups of 32 and 128, fp16/fp32 x (2 and 3 bf16
+    terms) and fp32 h; with the norm fused."""
+    import lily.ops.moe_decode as mod
+
+    taken = []
+    real = mod._moe_mma
+    monkeypatch.setattr(mod, "_moe_mma", lambda *a: taken.append(1) or real(*a))
+    w = make_moe(e, 4, gs, i_s > 0, seed=d + k, device=device, d=d, i_e=i_e, i_s=i_s)
+    g = torch.Generator().manual_seed(5)
+    x = (2.0 * torch.randn(d, generator=g) + 0.3).to(device, dtype)
+    res = torch.randn(d, generator=g).to(device, dtype)
+    nw = (1.0 + 0.2 * torch.randn(d, generator=g)).to(device, torch.bfloat16)
+    y = moe_decode(x, *w.values(), k, res, norm_weight=nw, eps=1e-5, config=cfg)
+    assert taken == ([1] if cfg.mma else [])
+    bound = 1e-4 if dtype == torch.float32 else 2e-2
+    assert moe_err(y, w, rms_norm(x, nw, 1e-5), k, res) < bound
 
 
 @pytest.mark.parametrize("device", DEVICES)
