@@ -2,7 +2,8 @@
 reference in lily.ops.ref_mixer.
 
 Small shapes under the Triton interpreter (4 query heads over 2 KV heads, Dh 64 with 16
-rotary dims, cache lengths 1, 5, 77, split blocks of 16), compiled on CUDA when present.
+rotary dims, cache lengths 1, 5, 77, split blocks of 16; 6 over 2 at Dh 48 with the new row
+placed around the tiles of split blocks of 32), compiled on CUDA when present.
 Cache rows nobody has written are NaN, as is every buffer the launchers allocate, so a read
 past the valid length or an unwritten output fails. Bounds (relative L2): fp32 1e-5
 (5e-3 on a GPU, whose tensor cores take fp32 products as tf32);
@@ -174,6 +175,29 @@ def test_prefill_then_decode_steps_match_one_shot(device):
     outs = [prefill(d, 0, slice(0, 30), block_m=16, block_n=16)]
     outs += [decode(d, i, i, split=16, block_n=16)[None] for i in range(30, 33)]
     assert rel(torch.cat(outs), ref_out) < 2e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("pos", [0, 9, 15, 16, 31, 32, 41, 63, 70])
+@pytest.mark.parametrize("split", [0, 32], ids=["plain", "split32"])
+def test_decode_new_row_in_and_after_the_first_tile(device, split, pos):
+    """The program whose range holds pos writes the new row, then reads it back with its
+    tiles. Tiles of 16 rows, split blocks of two tiles; pos at 0, inside, at the end of and
+    just after block 0's first tile, at block 0's end, alone at block 1's start, inside
+    block 1's first tile, at its end, and inside the last block's first tile (later blocks
+    empty). G = 3 heads over Dh = 48 (masked rows and columns), fp32. The row at pos holds
+    NaN until the kernel writes it, so a tile read before the write, or a tile counted twice
+    or not at all, fails."""
+    d = make_inputs(1, 80, h=6, hkv=2, dh=48, dtype=torch.float32, device=device, seed=20 + pos)
+    fill_cache(d, pos)
+    ref_out, ref_k, ref_v = reference(d, pos, slice(0, 1))
+    out = decode(d, 0, pos, split=split, block_n=16)
+    assert rel(out, ref_out[0]) < DOT_F32_TOL
+    # the new row (fp32 RoPE: rounding only), the rows before it untouched, none after it
+    assert rel(d["k_cache"][:, pos], ref_k[:, pos]) < 1e-5
+    assert torch.equal(d["k_cache"][:, :pos].cpu(), ref_k[:, :pos])
+    assert torch.equal(d["v_cache"][:, : pos + 1].cpu(), ref_v[:, : pos + 1])
+    assert d["k_cache"][:, pos + 1 :].isnan().all() and d["v_cache"][:, pos + 1 :].isnan().all()
 
 
 def test_decode_rejects_bad_input():
