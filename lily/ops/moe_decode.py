@@ -346,8 +346,9 @@ def _moe_gate_up_mma_kernel(
         tl.store(p_ids + o_k[None, :], ids, mask=(o_k < TOP_K)[None, :])
         tl.store(p_wts + o_k[None, :], wts, mask=(o_k < TOP_K)[None, :])
     e64 = tl.sum(tl.sum(tl.where(o_k[None, :] == slot, ids, 0), axis=1), axis=0).to(tl.int64)
-    # NOTE: whole experts apart, so the words' vector loads stay (see mma_tile)
-    o_we = tl.multiple_of(e64 * stride_we, 16)
+    # NOTE: experts start on 16 bytes (checked by the launcher), so the words' vector loads
+    # stay (see mma_tile)
+    o_we = tl.multiple_of(e64 * stride_we, 4)
     o_se = e64 * stride_se
     g_w, g_s, g_b = mma_tile(
         p_gw + o_we, p_gs + o_se, p_gb + o_se, p_ids, row0, I_E, stride_qn, stride_sn, 0, 0,
@@ -493,11 +494,12 @@ def _check_shared(
 
 
 def _mma_fits(w: QuantWeight) -> bool:
-    """Experts (E, N, K) the tensor-core tile takes: 4 bits, rows and experts on 16-byte
-    boundaries (the words load four at a time straight into the MMA's registers)."""
+    """Experts (E, N, K) the tensor-core tile takes: 4 bits, rows on 16-byte boundaries and
+    experts on whole groups of them (the words load four at a time straight into the MMA's
+    registers; the kernels' alignment hints rely on both)."""
     q = w.qweight
-    return (w.bits == 4 and q.stride(0) % 4 == 0 and q.stride(1) % 4 == 0 and q.stride(2) == 1
-            and q.data_ptr() % 16 == 0)  # fmt: skip
+    return (w.bits == 4 and q.stride(0) % max(4, w.group_size // 8) == 0
+            and q.stride(1) % 4 == 0 and q.stride(2) == 1 and q.data_ptr() % 16 == 0)  # fmt: skip
 
 
 def _whole(k: int, group_size: int) -> int:
