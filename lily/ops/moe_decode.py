@@ -261,6 +261,40 @@ def _gemv_tile3(b_w, b_s, b_b, b_x, mask_lo, BITS: tl.constexpr, BLOCK_G: tl.con
     return tl.sum(b_s * (b_d - b_xps[:, None, :]) + b_b * b_xs[:, None, :], axis=2)
 
 
+@triton.jit
+def _down_early(
+    p_sdw, p_sds, p_sdb, stride_sqn, stride_ssn, p_h, stride_h, p_logits, p_res, o_n, m_n,
+    E, I_S, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, S_BG: tl.constexpr,
+    HAS_SHARED: tl.constexpr, HAS_RES: tl.constexpr,
+):  # fmt: skip
+    """What a down launch reads before pdl_wait (see _moe_gate_up_kernel's note): the shared
+    expert's down tile (constant), its h row and gate logit (router kernel, two launches
+    back), the residual."""
+    b_sw, b_ss, b_sb, b_hs, b_c, b_res = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0  # unused placeholders
+    if HAS_SHARED:
+        b_sw, b_ss, b_sb = load_words(p_sdw, p_sds, p_sdb, stride_sqn, stride_ssn, o_n, m_n, 0,
+                                      I_S // GROUP, BITS, GROUP, S_BG)  # fmt: skip
+        b_hs, _ = load_x(p_h + TOP_K * stride_h, p_h, 0, I_S // GROUP, True, False, BITS, GROUP,
+                         S_BG)  # fmt: skip
+        b_c = tl.load(p_logits + E)
+    if HAS_RES:
+        b_res = tl.load(p_res + o_n, mask=m_n, other=0.0).to(tl.float32)
+    return b_sw, b_ss, b_sb, b_hs, b_c, b_res
+
+
+@triton.jit
+def _down_finish(
+    acc, b_sw, b_ss, b_sb, b_hs, b_c, b_res, p_out, o_n, m_n, mask_lo, BITS: tl.constexpr,
+    S_BG: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_RES: tl.constexpr, ON_CPU: tl.constexpr,
+):  # fmt: skip
+    """The routed experts' sum plus the gated shared expert and the residual, written once."""
+    if HAS_SHARED:
+        acc += gemv_tile(b_sw, b_ss, b_sb, b_hs, mask_lo, BITS, S_BG) * _sigmoid(b_c)
+    if HAS_RES:
+        acc += b_res
+    tl.store(p_out + o_n, cast_to(acc, p_out.dtype.element_ty, ON_CPU), mask=m_n)
+
+
 @launched
 @triton.jit
 def _moe_down_kernel(
@@ -281,16 +315,10 @@ def _moe_down_kernel(
     m_n = o_n < D
     o_k = tl.arange(0, BLOCK_K)
     m_k = o_k < TOP_K
-    # Before pdl_wait (see _moe_gate_up_kernel's note): the shared expert's down tile
-    # (constant), its h row and gate logit (router kernel, two launches back), the residual.
-    if HAS_SHARED:
-        b_sw, b_ss, b_sb = load_words(p_sdw, p_sds, p_sdb, stride_sqn, stride_ssn, o_n, m_n, 0,
-                                      I_S // GROUP, BITS, GROUP, S_BG)  # fmt: skip
-        b_hs, _ = load_x(p_h + TOP_K * stride_h, p_h, 0, I_S // GROUP, True, False, BITS, GROUP,
-                         S_BG)  # fmt: skip
-        b_c = tl.load(p_logits + E)
-    if HAS_RES:
-        b_res = tl.load(p_res + o_n, mask=m_n, other=0.0).to(tl.float32)
+    b_sw, b_ss, b_sb, b_hs, b_c, b_res = _down_early(
+        p_sdw, p_sds, p_sdb, stride_sqn, stride_ssn, p_h, stride_h, p_logits, p_res, o_n, m_n,
+        E, I_S, TOP_K, BITS, GROUP, S_BG, HAS_SHARED, HAS_RES,
+    )  # fmt: skip
     pdl_wait(PDL)
     e64 = tl.load(p_ids + o_k, mask=m_k, other=0).to(tl.int64)
     b_r = tl.load(p_wts + o_k, mask=m_k, other=0.0)
@@ -311,11 +339,8 @@ def _moe_down_kernel(
     b_h = tl.load(p_h + o_k[:, None, None] * stride_h + o_x[None, :, :], mask=m_x, other=0.0)
 
     acc = tl.sum(_gemv_tile3(b_w, b_s, b_b, b_h, mask_lo, BITS, BLOCK_G) * b_r[:, None], axis=0)
-    if HAS_SHARED:
-        acc += gemv_tile(b_sw, b_ss, b_sb, b_hs, mask_lo, BITS, S_BG) * _sigmoid(b_c)
-    if HAS_RES:
-        acc += b_res
-    tl.store(p_out + o_n, cast_to(acc, p_out.dtype.element_ty, ON_CPU), mask=m_n)
+    _down_finish(acc, b_sw, b_ss, b_sb, b_hs, b_c, b_res, p_out, o_n, m_n, mask_lo, BITS, S_BG,
+                 HAS_SHARED, HAS_RES, ON_CPU)  # fmt: skip
 
 
 @launched
@@ -385,14 +410,10 @@ def _moe_down_mma_kernel(
     row0 = i_n * BLOCK_N
     o_n = row0 + tl.arange(0, BLOCK_N)
     m_n = o_n < D
-    if HAS_SHARED:
-        b_sw, b_ss, b_sb = load_words(p_sdw, p_sds, p_sdb, stride_sqn, stride_ssn, o_n, m_n, 0,
-                                      I_S // GROUP, BITS, GROUP, S_BG)  # fmt: skip
-        b_hs, _ = load_x(p_h + TOP_K * stride_h, p_h, 0, I_S // GROUP, True, False, BITS, GROUP,
-                         S_BG)  # fmt: skip
-        b_c = tl.load(p_logits + E)
-    if HAS_RES:
-        b_res = tl.load(p_res + o_n, mask=m_n, other=0.0).to(tl.float32)
+    b_sw, b_ss, b_sb, b_hs, b_c, b_res = _down_early(
+        p_sdw, p_sds, p_sdb, stride_sqn, stride_ssn, p_h, stride_h, p_logits, p_res, o_n, m_n,
+        E, I_S, TOP_K, BITS, GROUP, S_BG, HAS_SHARED, HAS_RES,
+    )  # fmt: skip
     pdl_wait(PDL)
     b_w, b_s, b_b = mma_tile(p_dw, p_ds, p_db, p_ids, row0, D, stride_qn, stride_sn, stride_we,
                              stride_se, GROUP, NG, G, BLOCK_N, W, SG, EVEN_N, NG == G)  # fmt: skip
@@ -403,11 +424,8 @@ def _moe_down_mma_kernel(
     b_hx *= tl.load(p_wts + x_slot, mask=m_x, other=0.0)
     b_xb, b_xs = mma_x(b_hx, G, GROUP, W, 3, ON_CPU)  # h is fp32: three bf16 terms, exact
     acc = mma_dot(b_w, b_s, b_b, b_xb, b_xs, pair_mask, G, BLOCK_N, W, 3, ON_CPU)
-    if HAS_SHARED:
-        acc += gemv_tile(b_sw, b_ss, b_sb, b_hs, mask_lo, BITS, S_BG) * _sigmoid(b_c)
-    if HAS_RES:
-        acc += b_res
-    tl.store(p_out + o_n, cast_to(acc, p_out.dtype.element_ty, ON_CPU), mask=m_n)
+    _down_finish(acc, b_sw, b_ss, b_sb, b_hs, b_c, b_res, p_out, o_n, m_n, mask_lo, BITS, S_BG,
+                 HAS_SHARED, HAS_RES, ON_CPU)  # fmt: skip
 
 
 @dataclass(frozen=True)
