@@ -15,11 +15,8 @@ weight loads at once (whole K per program), before any reduction:
    gate ``sigmoid(logit)`` and the residual are applied in registers, the row written once.
 
 Launches 2 and 3 run on the tensor cores where the experts allow it (4-bit, 16-byte rows:
-the model's case; ``MoeDecodeConfig.mma``): ``_moe_gate_up_mma_kernel`` and
-``_moe_down_mma_kernel`` use qgemv_mma's tile (codes unpacked straight into MMA operands), the
-down launch taking the k chosen experts' rows as one K of k * I. The FMA kernels spend about
-1.7x the instructions a code (compile-only sm_90 counts, docs/notes/decode_step.md) and stay
-for 8-bit experts and unaligned rows.
+the model's case; ``MoeDecodeConfig.mma``): lily/ops/moe_decode_mma.py. The FMA kernels
+here stay for 8-bit experts and unaligned rows.
 
 With ``norm_weight`` every program of launches 1 and 2 computes ``rmsnorm(x) * norm_weight``
 itself (x is 2048 values), so the layer's post-attention norm costs no launch. ``pdl``:
@@ -47,53 +44,14 @@ from lily.ops.launch import (
     pow2,
     use_pdl,
 )
+from lily.ops.moe_decode_mma import mma_fits, moe_mma_experts
+from lily.ops.moe_decode_parts import down_early, down_finish, topk_rows
+from lily.ops.norm_rope import sigmoid
 from lily.ops.qgemv import _as_f, gemv_block, gemv_tile, load_words, load_x, pdl_wait
-from lily.ops.qgemv_mma import _PAIR_MASK, _TERMS, mma_dot, mma_tile, mma_x, mma_x_row
-from lily.ops.rmsnorm import cast_to, check_norm, norm_meta, norm_x
+from lily.ops.rmsnorm import check_norm, norm_meta, norm_x
 from lily.quant import QuantWeight
 
 Tensor = torch.Tensor
-
-
-@triton.jit
-def _flip(u):
-    # fp32 bits <-> an int32 of the same order (negative floats: magnitude bits reversed).
-    return u ^ ((u >> 31) & 0x7FFFFFFF)
-
-
-@triton.jit
-def topk_rows(b_l, E, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Top-k of each row of fp32 logits (R, BLOCK_E), columns >= E ignored.
-
-    Returns (ids (R, BLOCK_K) int32, weights (R, BLOCK_K) fp32): the k largest in descending
-    order (ties: lowest index first) and their renormalised softmax weights
-    ``exp(l_j - l_max) / sum_top-k exp(l_i - l_max)`` (the full softmax's denominator
-    cancels in the renormalisation); entries k..BLOCK_K-1 are 0.
-    NOTE: the keys are 64-bit integers, (order-preserving logit bits + 2^31) << 16 |
-    (BLOCK_E - 1 - index): distinct, >= 0 for every real logit, NaN included, and negative
-    for padding, so every pick is a real, distinct column < E whatever the values. The
-    selection is Triton's bitonic top-k (5 barriers at BLOCK_E = 256 on 4 warps, where k
-    rounds of argmax took 29).
-    """
-    BLOCK_E: tl.constexpr = b_l.shape[1]
-    o_e = tl.arange(0, BLOCK_E)
-    o_k = tl.arange(0, BLOCK_K)
-    # NOTE: -2**31 is an int32 literal (2**31 would be typed uint32).
-    u = _flip(b_l.to(tl.int32, bitcast=True)).to(tl.int64) - (-2147483648)
-    key = (u << 16) | (o_e ^ (BLOCK_E - 1)).to(tl.int64)[None, :]  # BLOCK_E - 1 - o_e
-    key = tl.where((o_e < E)[None, :], key, -1)
-    top = tl.topk(key, BLOCK_K, dim=1)  # (R, BLOCK_K), descending
-    ids = ((top & 0xFFFF) ^ (BLOCK_E - 1)).to(tl.int32)
-    vals = _flip(((top >> 16) + (-2147483648)).to(tl.int32)).to(tl.float32, bitcast=True)
-    m_k = (o_k < TOP_K)[None, :]
-    b_max = tl.max(tl.where(m_k, vals, float("-inf")), axis=1)
-    b_p = tl.where(m_k, tl.exp(vals - b_max[:, None]), 0.0)
-    return tl.where(m_k, ids, 0), b_p / tl.sum(b_p, axis=1)[:, None]
-
-
-@triton.jit
-def _sigmoid(x):
-    return 1.0 / (1.0 + tl.exp(-x))
 
 
 @triton.jit
@@ -121,7 +79,7 @@ def _gate_up(
     b_xn = norm_x(b_x, b_nw, rstd, HAS_NORM, ON_CPU)
     b_g = gemv_tile(b_gw, b_gs, b_gb, b_xn, mask_lo, BITS, BLOCK_G)
     b_u = gemv_tile(b_uw, b_us, b_ub, b_xn, mask_lo, BITS, BLOCK_G)
-    return b_g * _sigmoid(b_g) * b_u
+    return b_g * sigmoid(b_g) * b_u
 
 
 @launched
@@ -261,40 +219,6 @@ def _gemv_tile3(b_w, b_s, b_b, b_x, mask_lo, BITS: tl.constexpr, BLOCK_G: tl.con
     return tl.sum(b_s * (b_d - b_xps[:, None, :]) + b_b * b_xs[:, None, :], axis=2)
 
 
-@triton.jit
-def _down_early(
-    p_sdw, p_sds, p_sdb, stride_sqn, stride_ssn, p_h, stride_h, p_logits, p_res, o_n, m_n,
-    E, I_S, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, S_BG: tl.constexpr,
-    HAS_SHARED: tl.constexpr, HAS_RES: tl.constexpr,
-):  # fmt: skip
-    """What a down launch reads before pdl_wait (see _moe_gate_up_kernel's note): the shared
-    expert's down tile (constant), its h row and gate logit (router kernel, two launches
-    back), the residual."""
-    b_sw, b_ss, b_sb, b_hs, b_c, b_res = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0  # unused placeholders
-    if HAS_SHARED:
-        b_sw, b_ss, b_sb = load_words(p_sdw, p_sds, p_sdb, stride_sqn, stride_ssn, o_n, m_n, 0,
-                                      I_S // GROUP, BITS, GROUP, S_BG)  # fmt: skip
-        b_hs, _ = load_x(p_h + TOP_K * stride_h, p_h, 0, I_S // GROUP, True, False, BITS, GROUP,
-                         S_BG)  # fmt: skip
-        b_c = tl.load(p_logits + E)
-    if HAS_RES:
-        b_res = tl.load(p_res + o_n, mask=m_n, other=0.0).to(tl.float32)
-    return b_sw, b_ss, b_sb, b_hs, b_c, b_res
-
-
-@triton.jit
-def _down_finish(
-    acc, b_sw, b_ss, b_sb, b_hs, b_c, b_res, p_out, o_n, m_n, mask_lo, BITS: tl.constexpr,
-    S_BG: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_RES: tl.constexpr, ON_CPU: tl.constexpr,
-):  # fmt: skip
-    """The routed experts' sum plus the gated shared expert and the residual, written once."""
-    if HAS_SHARED:
-        acc += gemv_tile(b_sw, b_ss, b_sb, b_hs, mask_lo, BITS, S_BG) * _sigmoid(b_c)
-    if HAS_RES:
-        acc += b_res
-    tl.store(p_out + o_n, cast_to(acc, p_out.dtype.element_ty, ON_CPU), mask=m_n)
-
-
 @launched
 @triton.jit
 def _moe_down_kernel(
@@ -315,7 +239,7 @@ def _moe_down_kernel(
     m_n = o_n < D
     o_k = tl.arange(0, BLOCK_K)
     m_k = o_k < TOP_K
-    b_sw, b_ss, b_sb, b_hs, b_c, b_res = _down_early(
+    b_sw, b_ss, b_sb, b_hs, b_c, b_res = down_early(
         p_sdw, p_sds, p_sdb, stride_sqn, stride_ssn, p_h, stride_h, p_logits, p_res, o_n, m_n,
         E, I_S, TOP_K, BITS, GROUP, S_BG, HAS_SHARED, HAS_RES,
     )  # fmt: skip
@@ -339,92 +263,7 @@ def _moe_down_kernel(
     b_h = tl.load(p_h + o_k[:, None, None] * stride_h + o_x[None, :, :], mask=m_x, other=0.0)
 
     acc = tl.sum(_gemv_tile3(b_w, b_s, b_b, b_h, mask_lo, BITS, BLOCK_G) * b_r[:, None], axis=0)
-    _down_finish(acc, b_sw, b_ss, b_sb, b_hs, b_c, b_res, p_out, o_n, m_n, mask_lo, BITS, S_BG,
-                 HAS_SHARED, HAS_RES, ON_CPU)  # fmt: skip
-
-
-@launched
-@triton.jit
-def _moe_gate_up_mma_kernel(
-    p_x, p_nw, p_logits, p_ids, p_wts, p_h,
-    p_gw, p_gs, p_gb, p_uw, p_us, p_ub, stride_we, stride_se, stride_qn, stride_sn,
-    E, I_E, stride_h, pair_mask, eps,
-    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, GROUP: tl.constexpr,
-    NG: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, W: tl.constexpr,
-    N_BLOCKS: tl.constexpr, TERMS: tl.constexpr, HAS_NORM: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ON_CPU: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    # _moe_gate_up_kernel on the tensor cores (qgemv_mma's tile): same routing and output.
-    pid = tl.program_id(0)
-    slot = pid // N_BLOCKS
-    row0 = (pid % N_BLOCKS) * BLOCK_N
-    o_e = tl.arange(0, BLOCK_E)
-    o_k = tl.arange(0, BLOCK_K)
-    # x and its MMA operand before the wait (x was written before the router kernel ran:
-    # see _moe_gate_up_kernel's note); the weights must wait for the expert id.
-    b_xn = mma_x_row(p_x, p_nw, eps, NG, G, GROUP, HAS_NORM, EVEN_K, ON_CPU)
-    b_xb, b_xs = mma_x(b_xn, G, GROUP, W, TERMS, ON_CPU)
-    pdl_wait(PDL)
-    b_l = tl.load(p_logits + o_e, mask=o_e < E, other=0.0)
-    ids, wts = topk_rows(b_l[None, :], E, TOP_K, BLOCK_K)
-    if pid == 0:
-        tl.store(p_ids + o_k[None, :], ids, mask=(o_k < TOP_K)[None, :])
-        tl.store(p_wts + o_k[None, :], wts, mask=(o_k < TOP_K)[None, :])
-    e64 = tl.sum(tl.sum(tl.where(o_k[None, :] == slot, ids, 0), axis=1), axis=0).to(tl.int64)
-    # NOTE: experts start on 16 bytes (checked by the launcher), so the words' vector loads
-    # stay (see mma_tile)
-    o_we = tl.multiple_of(e64 * stride_we, 4)
-    o_se = e64 * stride_se
-    g_w, g_s, g_b = mma_tile(
-        p_gw + o_we, p_gs + o_se, p_gb + o_se, p_ids, row0, I_E, stride_qn, stride_sn, 0, 0,
-        GROUP, NG, G, BLOCK_N, W, 0, EVEN_N, EVEN_K,
-    )  # fmt: skip
-    u_w, u_s, u_b = mma_tile(
-        p_uw + o_we, p_us + o_se, p_ub + o_se, p_ids, row0, I_E, stride_qn, stride_sn, 0, 0,
-        GROUP, NG, G, BLOCK_N, W, 0, EVEN_N, EVEN_K,
-    )  # fmt: skip
-    b_g = mma_dot(g_w, g_s, g_b, b_xb, b_xs, pair_mask, G, BLOCK_N, W, TERMS, ON_CPU)
-    b_u = mma_dot(u_w, u_s, u_b, b_xb, b_xs, pair_mask, G, BLOCK_N, W, TERMS, ON_CPU)
-    o_n = row0 + tl.arange(0, BLOCK_N)
-    tl.store(p_h + slot * stride_h + o_n, b_g * _sigmoid(b_g) * b_u, mask=o_n < I_E)
-
-
-@launched
-@triton.jit
-def _moe_down_mma_kernel(
-    p_h, p_ids, p_wts, p_logits, p_res, p_out,
-    p_dw, p_ds, p_db, stride_we, stride_se, stride_qn, stride_sn,
-    p_sdw, p_sds, p_sdb, stride_sqn, stride_ssn,
-    E, D, I_S, stride_h, pair_mask, mask_lo,
-    TOP_K: tl.constexpr, GROUP: tl.constexpr, SG: tl.constexpr, G: tl.constexpr,
-    W: tl.constexpr, BITS: tl.constexpr, S_BG: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_SHARED: tl.constexpr, HAS_RES: tl.constexpr, EVEN_N: tl.constexpr,
-    ON_CPU: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    # _moe_down_kernel with the routed experts on the tensor cores: the k chosen experts'
-    # rows are one K of k * I (slot j = expert ids[j]; with 8 warps and k = 8 a warp takes a
-    # slot), x is the slots' h rows times their routing weights. The shared expert (loaded
-    # before the wait, as there) stays on the FMA path: its I_S may not fill the warps.
-    NG: tl.constexpr = TOP_K * SG
-    i_n = tl.program_id(0)
-    row0 = i_n * BLOCK_N
-    o_n = row0 + tl.arange(0, BLOCK_N)
-    m_n = o_n < D
-    b_sw, b_ss, b_sb, b_hs, b_c, b_res = _down_early(
-        p_sdw, p_sds, p_sdb, stride_sqn, stride_ssn, p_h, stride_h, p_logits, p_res, o_n, m_n,
-        E, I_S, TOP_K, BITS, GROUP, S_BG, HAS_SHARED, HAS_RES,
-    )  # fmt: skip
-    pdl_wait(PDL)
-    b_w, b_s, b_b = mma_tile(p_dw, p_ds, p_db, p_ids, row0, D, stride_qn, stride_sn, stride_we,
-                             stride_se, GROUP, NG, G, BLOCK_N, W, SG, EVEN_N, NG == G)  # fmt: skip
-    o_x = tl.arange(0, G * GROUP)
-    m_x = o_x < NG * GROUP
-    x_slot = o_x // (SG * GROUP)
-    b_hx = tl.load(p_h + x_slot * stride_h + o_x % (SG * GROUP), mask=m_x, other=0.0)
-    b_hx *= tl.load(p_wts + x_slot, mask=m_x, other=0.0)
-    b_xb, b_xs = mma_x(b_hx, G, GROUP, W, 3, ON_CPU)  # h is fp32: three bf16 terms, exact
-    acc = mma_dot(b_w, b_s, b_b, b_xb, b_xs, pair_mask, G, BLOCK_N, W, 3, ON_CPU)
-    _down_finish(acc, b_sw, b_ss, b_sb, b_hs, b_c, b_res, p_out, o_n, m_n, mask_lo, BITS, S_BG,
+    down_finish(acc, b_sw, b_ss, b_sb, b_hs, b_c, b_res, p_out, o_n, m_n, mask_lo, BITS, S_BG,
                  HAS_SHARED, HAS_RES, ON_CPU)  # fmt: skip
 
 
@@ -509,15 +348,6 @@ def _check_shared(
     if tuple(seg.shape) != (1, d):
         raise ValueError(f"{name}: shared_expert_gate must be (1, {d}), got {seg.shape}")
     return i_s
-
-
-def _mma_fits(w: QuantWeight) -> bool:
-    """Experts (E, N, K) the tensor-core tile takes: 4 bits, rows on 16-byte boundaries and
-    experts on whole groups of them (the words load four at a time straight into the MMA's
-    registers; the kernels' alignment hints rely on both)."""
-    q = w.qweight
-    return (w.bits == 4 and q.stride(0) % max(4, w.group_size // 8) == 0
-            and q.stride(1) % 4 == 0 and q.stride(2) == 1 and q.data_ptr() % 16 == 0)  # fmt: skip
 
 
 def _whole(k: int, group_size: int) -> int:
@@ -608,9 +438,10 @@ def moe_decode(
     wts = torch.empty(top_k, dtype=torch.float32, device=dev)
     out = torch.empty(d, dtype=x.dtype, device=dev)
     res = residual if residual is not None else out
-    if cfg.mma and all(_mma_fits(w) for w in (gate, up, down)):
-        _moe_mma(x, nw, logits, ids, wts, h, res, out, gate, up, down, sd, e, d, i, i_s, top_k,
-                 eps, cfg, has_norm, has_shared, residual is not None, on_cpu, pdl)  # fmt: skip
+    if cfg.mma and all(mma_fits(w) for w in (gate, up, down)):
+        moe_mma_experts(x, nw, logits, ids, wts, h, res, out, gate, up, down, sd, e, d, i, i_s,
+                        top_k, eps, cfg, has_norm, has_shared, residual is not None, on_cpu,
+                        pdl)  # fmt: skip
         return out
     nb = cdiv(i, cfg.gate_up_rows)
     _moe_gate_up_kernel[(top_k * nb,)](
@@ -637,40 +468,3 @@ def moe_decode(
         ON_CPU=on_cpu, PDL=pdl, num_warps=cfg.down_warps, **pdl_launch(pdl),
     )  # fmt: skip
     return out
-
-
-def _moe_mma(
-    x, nw, logits, ids, wts, h, res, out, gate, up, down, sd, e, d, i, i_s, top_k, eps, cfg,
-    has_norm, has_shared, has_res, on_cpu, pdl,
-) -> None:  # fmt: skip
-    """Launches 2 and 3 of ``moe_decode`` on the tensor cores (arguments as checked there)."""
-    gs = gate.group_size
-    bn = cfg.mma_rows
-    # gate/up: K = D; one program a (slot, bn rows of I)
-    ng = d // gs
-    g = pow2(ng)
-    w = min(cfg.mma_warps, g)
-    nb = cdiv(i, bn)
-    _moe_gate_up_mma_kernel[(top_k * nb,)](
-        x, nw, logits, ids, wts, h,
-        gate.qweight, gate.scales, gate.biases, up.qweight, up.scales, up.biases,
-        gate.qweight.stride(0), gate.scales.stride(0), gate.qweight.stride(1),
-        gate.scales.stride(1), e, i, h.stride(0), _PAIR_MASK, float(eps),
-        TOP_K=top_k, BLOCK_K=pow2(top_k), BLOCK_E=pow2(e), GROUP=gs, NG=ng, G=g, BLOCK_N=bn,
-        W=w, N_BLOCKS=nb, TERMS=_TERMS[x.dtype], HAS_NORM=has_norm, EVEN_N=i % bn == 0,
-        EVEN_K=g == ng, ON_CPU=on_cpu, PDL=pdl, num_warps=w, **pdl_launch(pdl),
-    )  # fmt: skip
-    # down: K = the k slots' I; one program a bn rows of D
-    sg = i // gs
-    g = pow2(top_k * sg)
-    w = min(cfg.mma_warps, g)
-    _moe_down_mma_kernel[(cdiv(d, bn),)](
-        h, ids, wts, logits, res, out,
-        down.qweight, down.scales, down.biases, down.qweight.stride(0), down.scales.stride(0),
-        down.qweight.stride(1), down.scales.stride(1),
-        sd.qweight, sd.scales, sd.biases, sd.qweight.stride(0), sd.scales.stride(0),
-        e, d, i_s, h.stride(0), _PAIR_MASK, mask_lo(down.bits),
-        TOP_K=top_k, GROUP=gs, SG=sg, G=g, W=w, BITS=down.bits,
-        S_BG=_whole(max(i_s, gs), gs), BLOCK_N=bn, HAS_SHARED=has_shared, HAS_RES=has_res,
-        EVEN_N=d % bn == 0, ON_CPU=on_cpu, PDL=pdl, num_warps=w, **pdl_launch(pdl),
-    )  # fmt: skip

@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 
 from lily.ops.launch import cdiv, check_weight, check_x, launched, mask_lo, pow2
-from lily.ops.moe_decode import _check_moe_weights, _check_shared, topk_rows
+from lily.ops.moe_decode import _check_moe_weights, _check_shared
+from lily.ops.moe_decode_parts import topk_rows
 from lily.ops.qgemm import (
     GemmConfig,
     _launch_qgemm,

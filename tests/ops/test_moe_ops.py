@@ -135,8 +135,8 @@ def test_moe_decode_tensor_core_path(poison, monkeypatch, device, d, i_e, i_s, g
     import lily.ops.moe_decode as mod
 
     taken = []
-    real = mod._moe_mma
-    monkeypatch.setattr(mod, "_moe_mma", lambda *a: taken.append(1) or real(*a))
+    real = mod.moe_mma_experts
+    monkeypatch.setattr(mod, "moe_mma_experts", lambda *a: taken.append(1) or real(*a))
     w = make_moe(e, 4, gs, i_s > 0, seed=d + k, device=device, d=d, i_e=i_e, i_s=i_s)
     g = torch.Generator().manual_seed(5)
     x = (2.0 * torch.randn(d, generator=g) + 0.3).to(device, dtype)

@@ -1,0 +1,82 @@
+"""Triton pieces the MoE decode kernels share, in their FMA and tensor-core forms (and the
+prefill's routing): the top-k of the router logits, and the down launch's early loads and
+epilogue (the gated shared expert and the residual)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from lily.ops.norm_rope import sigmoid
+from lily.ops.qgemv import gemv_tile, load_words, load_x
+from lily.ops.rmsnorm import cast_to
+
+
+@triton.jit
+def _flip(u):
+    # fp32 bits <-> an int32 of the same order (negative floats: magnitude bits reversed).
+    return u ^ ((u >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def topk_rows(b_l, E, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Top-k of each row of fp32 logits (R, BLOCK_E), columns >= E ignored.
+
+    Returns (ids (R, BLOCK_K) int32, weights (R, BLOCK_K) fp32): the k largest in descending
+    order (ties: lowest index first) and their renormalised softmax weights
+    ``exp(l_j - l_max) / sum_top-k exp(l_i - l_max)`` (the full softmax's denominator
+    cancels in the renormalisation); entries k..BLOCK_K-1 are 0.
+    NOTE: the keys are 64-bit integers, (order-preserving logit bits + 2^31) << 16 |
+    (BLOCK_E - 1 - index): distinct, >= 0 for every real logit, NaN included, and negative
+    for padding, so every pick is a real, distinct column < E whatever the values. The
+    selection is Triton's bitonic top-k (5 barriers at BLOCK_E = 256 on 4 warps, where k
+    rounds of argmax took 29).
+    """
+    BLOCK_E: tl.constexpr = b_l.shape[1]
+    o_e = tl.arange(0, BLOCK_E)
+    o_k = tl.arange(0, BLOCK_K)
+    # NOTE: -2**31 is an int32 literal (2**31 would be typed uint32).
+    u = _flip(b_l.to(tl.int32, bitcast=True)).to(tl.int64) - (-2147483648)
+    key = (u << 16) | (o_e ^ (BLOCK_E - 1)).to(tl.int64)[None, :]  # BLOCK_E - 1 - o_e
+    key = tl.where((o_e < E)[None, :], key, -1)
+    top = tl.topk(key, BLOCK_K, dim=1)  # (R, BLOCK_K), descending
+    ids = ((top & 0xFFFF) ^ (BLOCK_E - 1)).to(tl.int32)
+    vals = _flip(((top >> 16) + (-2147483648)).to(tl.int32)).to(tl.float32, bitcast=True)
+    m_k = (o_k < TOP_K)[None, :]
+    b_max = tl.max(tl.where(m_k, vals, float("-inf")), axis=1)
+    b_p = tl.where(m_k, tl.exp(vals - b_max[:, None]), 0.0)
+    return tl.where(m_k, ids, 0), b_p / tl.sum(b_p, axis=1)[:, None]
+
+
+@triton.jit
+def down_early(
+    p_sdw, p_sds, p_sdb, stride_sqn, stride_ssn, p_h, stride_h, p_logits, p_res, o_n, m_n,
+    E, I_S, TOP_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, S_BG: tl.constexpr,
+    HAS_SHARED: tl.constexpr, HAS_RES: tl.constexpr,
+):  # fmt: skip
+    """What a down launch reads before pdl_wait (see the note in moe_decode's gate/up
+    kernel): the shared expert's down tile (constant), its h row and gate logit (router
+    kernel, two launches back), the residual."""
+    b_sw, b_ss, b_sb, b_hs, b_c, b_res = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0  # unused placeholders
+    if HAS_SHARED:
+        b_sw, b_ss, b_sb = load_words(p_sdw, p_sds, p_sdb, stride_sqn, stride_ssn, o_n, m_n, 0,
+                                      I_S // GROUP, BITS, GROUP, S_BG)  # fmt: skip
+        b_hs, _ = load_x(p_h + TOP_K * stride_h, p_h, 0, I_S // GROUP, True, False, BITS, GROUP,
+                         S_BG)  # fmt: skip
+        b_c = tl.load(p_logits + E)
+    if HAS_RES:
+        b_res = tl.load(p_res + o_n, mask=m_n, other=0.0).to(tl.float32)
+    return b_sw, b_ss, b_sb, b_hs, b_c, b_res
+
+
+@triton.jit
+def down_finish(
+    acc, b_sw, b_ss, b_sb, b_hs, b_c, b_res, p_out, o_n, m_n, mask_lo, BITS: tl.constexpr,
+    S_BG: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_RES: tl.constexpr, ON_CPU: tl.constexpr,
+):  # fmt: skip
+    """The routed experts' sum plus the gated shared expert and the residual, written once."""
+    if HAS_SHARED:
+        acc += gemv_tile(b_sw, b_ss, b_sb, b_hs, mask_lo, BITS, S_BG) * sigmoid(b_c)
+    if HAS_RES:
+        acc += b_res
+    tl.store(p_out + o_n, cast_to(acc, p_out.dtype.element_ty, ON_CPU), mask=m_n)
