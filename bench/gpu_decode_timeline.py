@@ -9,8 +9,7 @@ name and per layer kind (the kinds of bench/gpu_profile.py), with the copy-bandw
 of the step's bytes for scale.
 
 ``--variants`` runs the same measurement with runner or kernel switches changed (A/B in
-one process, same host and model): ``pdl_off`` (no programmatic dependent launch),
-``early_off`` (no kernel releases the next one at its start) and any
+one process, same host and model): ``pdl_off`` (no programmatic dependent launch) and any
 name given in ``--swap name=module:function@runner_name`` (a stand-in function for one the
 runner calls, e.g. an earlier version of a kernel's launcher kept outside the package).
 """
@@ -90,9 +89,6 @@ def variant(name: str, runner, swaps: dict):
     if name == "pdl_off":
         runner.pdl = False
         undo.append(lambda: setattr(runner, "pdl", True))
-    elif name == "early_off":
-        runner.pdl_early = False
-        undo.append(lambda: setattr(runner, "pdl_early", True))
     elif name in swaps:
         spec, attr = swaps[name].split("@")
         mod, fn = spec.split(":")

@@ -113,11 +113,6 @@ MMA_SHAPES = [
     ("dn qkv|z|b|a", 12352, 2048, "norm"), ("attn q|k|v", 9216, 2048, "norm"),
     ("o_proj/out_proj", 2048, 4096, "res"), ("lm_head", 248320, 2048, "norm fp32"),
 ]  # fmt: skip
-# tiles the early-release floors also try: one program an SM half (64 rows, 8 warps at 128
-# registers) and the small 16-row tile
-# tiles the early-release floors also try: one program an SM half (64 rows, 8 warps at 128
-# registers, so the next kernel's program fits beside it), 16 rows, and 32 rows at 80
-FLOOR_TILES = [MmaGemvConfig(64, 8, 128), MmaGemvConfig(16, 8), MmaGemvConfig(32, 8, 80)]
 MMA_SWEEP = {  # qgemv_mma tiles besides the table (rows x warps, register cap); not --quick
     "in_proj_qkv/q_proj": [MmaGemvConfig(16, 8), MmaGemvConfig(32, 8, 80), MmaGemvConfig(32, 4),
                            MmaGemvConfig(64, 16)],
@@ -413,26 +408,17 @@ def floor_rows(ceil: dict, gen: torch.Generator) -> list[dict]:
         ws, xs, rs = c.ws, c.xs, c.rs
         shape = name + c.suffix
 
-        def call(x, w, r, res=c.res, kw=c.kw, **more):
-            return qgemv_mma(x, w, residual=r if res else None, pdl=True, **kw, **more)
+        def call(x, w, r, res=c.res, kw=c.kw):
+            return qgemv_mma(x, w, residual=r if res else None, pdl=True, **kw)
 
-        def over(ws, xs=xs, rs=rs, **more):
-            return [partial(call, x, w, r, **more) for w, x, r in zip(ws, xs, rs, strict=True)]
-
-        one = [ws[0]] * len(ws)
-        early = {"pdl_early": True}
-        variants = {  # label: (qgemv_mma's extra arguments, the weights the calls cycle over)
-            "pdl": ({}, ws),
-            "pdl, one weight (L2)": ({}, one),
-            "pdl, early release": (early, ws),
-            "pdl, early release, one weight (L2)": (early, one),
-        }
-        for cfg in FLOOR_TILES:
-            variants[f"pdl, early release, {cfg_str(cfg)}"] = ({**early, "config": cfg}, ws)
-        for label, (more, over_ws) in variants.items():
-            calls = over(over_ws, **more)
+        variants = {
+            "pdl": [partial(call, x, w, r) for w, x, r in zip(ws, xs, rs, strict=True)],
+            "pdl, one weight (L2)": [partial(call, x, ws[0], r)
+                                     for x, r in zip(xs, rs, strict=True)],
+        }  # fmt: skip
+        for label, calls in variants.items():
             base = {"op": "qgemv_mma", "shape": shape, "config": label}
-            check = partial(call, xs[0], ws[0], rs[0], **more)
+            check = partial(call, xs[0], ws[0], rs[0])
             attempt(rows, base, partial(gemv_point, calls, check, c.ref, c.nbytes, c.floor_us))
         rows += size_floor_rows(shape, ws, c.nbytes, ceil)
         del ws, c

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from lily.ops.launch import cdiv, check, launched, pdl_launch, pow2, use_pdl
 from lily.ops.norm_rope import gated_rmsnorm_rows, sigmoid, silu
-from lily.ops.qgemv import pdl_release, pdl_wait
+from lily.ops.qgemv import pdl_wait
 
 Tensor = torch.Tensor
 
@@ -85,9 +85,8 @@ def _deltanet_decode_kernel(
     x, z, b, a, conv_w, conv_state, A_log, dt_bias, norm_w, state, out, o_buf, counters, q_scale,
     eps, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, VD: tl.constexpr, W: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BVD: tl.constexpr, WP: tl.constexpr, NV: tl.constexpr,
-    GP: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+    GP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl_release(EARLY)
     i_v, i_h = tl.program_id(0), tl.program_id(1)
     G: tl.constexpr = HV // HK
     C: tl.constexpr = 2 * HK * K + HV * VD
@@ -213,7 +212,6 @@ def deltanet_decode(
     block_v: int = 16,
     num_warps: int = 4,
     pdl: bool = False,
-    pdl_early: bool = False,
 ) -> Tensor:
     """One Gated DeltaNet step for one token (MODEL.md), updating ``conv_state`` and ``state``.
 
@@ -224,8 +222,6 @@ def deltanet_decode(
     programmatic dependent launch (Hopper; ignored elsewhere): the states and weights load
     while the previous kernel (the input projection) finishes; the previous kernel must
     wait for its own predecessor before it lets this one launch (every PDL kernel here does).
-    ``pdl_early``: with ``pdl``, the next kernel may launch at this one's start
-    (``pdl_release``: it must read only constants before its wait).
     """
     _check(
         state.dim() == 3 and state.dtype == torch.float32 and state.is_contiguous(),
@@ -302,7 +298,6 @@ def deltanet_decode(
         NV=nv,
         GP=pow2(hv // hk),
         PDL=pdl,
-        EARLY=pdl and pdl_early,
         num_warps=num_warps,
         **pdl_launch(pdl),
     )

@@ -47,15 +47,7 @@ from lily.ops.launch import (
 from lily.ops.moe_decode_mma import mma_fits, moe_mma_experts
 from lily.ops.moe_decode_parts import down_early, down_finish, topk_rows
 from lily.ops.norm_rope import sigmoid
-from lily.ops.qgemv import (
-    _as_f,
-    gemv_block,
-    gemv_tile,
-    load_words,
-    load_x,
-    pdl_release,
-    pdl_wait,
-)
+from lily.ops.qgemv import _as_f, gemv_block, gemv_tile, load_words, load_x, pdl_wait
 from lily.ops.rmsnorm import check_norm, norm_meta, norm_x
 from lily.quant import QuantWeight
 
@@ -237,9 +229,8 @@ def _moe_down_kernel(
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr, S_BG: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_SHARED: tl.constexpr, HAS_RES: tl.constexpr, ON_CPU: tl.constexpr,
-    PDL: tl.constexpr, EARLY: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl_release(EARLY)
     PER: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = GROUP // PER
     BW: tl.constexpr = BLOCK_G * WPG
@@ -380,7 +371,6 @@ def moe_decode(
     eps: float = 1e-6,
     config: MoeDecodeConfig | None = None,
     pdl: bool = False,
-    pdl_early: bool = False,
 ) -> Tensor:
     """``residual + moe(x')`` for one token x (D,) -> (D,) in x's dtype, three launches.
 
@@ -389,9 +379,7 @@ def moe_decode(
     (pass the un-normed x for a decoder layer). router (E, D); gate, up (E, I, D); down
     (E, D, I); the shared expert (Is, D), (Is, D), (D, Is) and its gate (1, D), all
     QuantWeight (or all four shared parts None). ``pdl``: launch the three kernels with
-    programmatic dependent launch (Hopper and newer; ignored elsewhere; see lily.ops.qgemv);
-    ``pdl_early``: with ``pdl``, the kernel after the down launch may launch at its start
-    (``pdl_release``: it must read only constants before its wait).
+    programmatic dependent launch (Hopper and newer; ignored elsewhere; see lily.ops.qgemv).
     """
     name = "moe_decode"
     e, i, d = _check_moe_weights(gate, up, down, name)
@@ -453,7 +441,7 @@ def moe_decode(
     if cfg.mma and all(mma_fits(w) for w in (gate, up, down)):
         moe_mma_experts(x, nw, logits, ids, wts, h, res, out, gate, up, down, sd, e, d, i, i_s,
                         top_k, eps, cfg, has_norm, has_shared, residual is not None, on_cpu,
-                        pdl, pdl and pdl_early)  # fmt: skip
+                        pdl)  # fmt: skip
         return out
     nb = cdiv(i, cfg.gate_up_rows)
     _moe_gate_up_kernel[(top_k * nb,)](
@@ -477,7 +465,6 @@ def moe_decode(
         TOP_K=top_k, BLOCK_K=block_k, BITS=down.bits, GROUP=down.group_size,
         BLOCK_G=_whole(i, down.group_size), S_BG=_whole(max(i_s, down.group_size), gs),
         BLOCK_N=cfg.down_rows, HAS_SHARED=has_shared, HAS_RES=residual is not None,
-        ON_CPU=on_cpu, PDL=pdl, EARLY=pdl and pdl_early, num_warps=cfg.down_warps,
-        **pdl_launch(pdl),
+        ON_CPU=on_cpu, PDL=pdl, num_warps=cfg.down_warps, **pdl_launch(pdl),
     )  # fmt: skip
     return out

@@ -16,7 +16,7 @@ import triton.language as tl
 from lily.ops.launch import cdiv, launched, mask_lo, pdl_launch, pow2
 from lily.ops.moe_decode_parts import down_early, down_finish, topk_rows
 from lily.ops.norm_rope import sigmoid
-from lily.ops.qgemv import pdl_release, pdl_wait
+from lily.ops.qgemv import pdl_wait
 from lily.ops.qgemv_mma import _PAIR_MASK, _TERMS, mma_dot, mma_tile, mma_x, mma_x_row
 from lily.quant import QuantWeight
 
@@ -78,14 +78,13 @@ def _moe_down_mma_kernel(
     TOP_K: tl.constexpr, GROUP: tl.constexpr, SG: tl.constexpr, G: tl.constexpr,
     W: tl.constexpr, BITS: tl.constexpr, S_BG: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_SHARED: tl.constexpr, HAS_RES: tl.constexpr, EVEN_N: tl.constexpr,
-    ON_CPU: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+    ON_CPU: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # moe_decode._moe_down_kernel with the routed experts on the tensor cores: the k chosen
     # experts' rows are one K of k * I (slot j = expert ids[j]; with 8 warps and k = 8 a
     # warp takes a slot), x is the slots' h rows times their routing weights. The shared
     # expert (loaded before the wait, as there) stays on the FMA path: its I_S may not fill
     # the warps.
-    pdl_release(EARLY)
     NG: tl.constexpr = TOP_K * SG
     i_n = tl.program_id(0)
     row0 = i_n * BLOCK_N
@@ -120,10 +119,9 @@ def mma_fits(w: QuantWeight) -> bool:
 
 def moe_mma_experts(
     x, nw, logits, ids, wts, h, res, out, gate, up, down, sd, e, d, i, i_s, top_k, eps, cfg,
-    has_norm, has_shared, has_res, on_cpu, pdl, early,
+    has_norm, has_shared, has_res, on_cpu, pdl,
 ) -> None:  # fmt: skip
-    """Launches 2 and 3 of ``moe_decode`` on the tensor cores (arguments as checked there;
-    ``early``: the down launch releases the next kernel at its start)."""
+    """Launches 2 and 3 of ``moe_decode`` on the tensor cores (arguments as checked there)."""
     gs = gate.group_size
     bn = cfg.mma_rows
     # gate/up: K = D; one program a (slot, bn rows of I)
@@ -152,6 +150,5 @@ def moe_mma_experts(
         e, d, i_s, h.stride(0), _PAIR_MASK, mask_lo(down.bits),
         TOP_K=top_k, GROUP=gs, SG=sg, G=g, W=w, BITS=down.bits,
         S_BG=pow2(max(i_s, gs) // gs), BLOCK_N=bn, HAS_SHARED=has_shared, HAS_RES=has_res,
-        EVEN_N=d % bn == 0, ON_CPU=on_cpu, PDL=pdl, EARLY=early, num_warps=w,
-        **pdl_launch(pdl),
+        EVEN_N=d % bn == 0, ON_CPU=on_cpu, PDL=pdl, num_warps=w, **pdl_launch(pdl),
     )  # fmt: skip

@@ -184,18 +184,6 @@ def pdl_wait(PDL: tl.constexpr):
 
 
 @triton.jit
-def pdl_release(EARLY: tl.constexpr):
-    """At a PDL kernel's start with ``EARLY``: let the next kernel launch now instead of after
-    this one's wait, so its programs take the SM room this one leaves and issue their
-    constant loads (weights, states) while this one still streams. The next kernel may then
-    start before this one's predecessor has finished: it must read nothing before its own
-    wait that a kernel two launches back writes (moe_decode's gate/up reads x there, so the
-    router never releases early). Callers name it ``pdl_early``."""
-    if EARLY:
-        gdc_launch_dependents()
-
-
-@triton.jit
 def _pick(v, o_t, t):
     # Element t of a small vector, as a scalar.
     return tl.sum(tl.where(o_t == t, v, 0.0), axis=0)

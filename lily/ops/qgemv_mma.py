@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from lily.ops.launch import cdiv, check_weight, check_x, launched, pdl_launch, pow2, use_pdl
-from lily.ops.qgemv import pdl_release, pdl_wait
+from lily.ops.qgemv import pdl_wait
 from lily.ops.rmsnorm import cast_to, check_norm, norm_x, to_bf16
 from lily.quant import QuantWeight
 
@@ -259,9 +259,7 @@ def _qgemv_mma_kernel(
     GROUP: tl.constexpr, NG: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
     W: tl.constexpr, TERMS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ON_CPU: tl.constexpr, PDL: tl.constexpr,
-    EARLY: tl.constexpr,
 ):  # fmt: skip
-    pdl_release(EARLY)
     i_n = tl.program_id(0)
     b_w, b_s, b_b = mma_tile(p_qw, p_s, p_b, p_qw, i_n * BLOCK_N, N, stride_qn, stride_sn, 0, 0,
                              GROUP, NG, G, BLOCK_N, W, 0, EVEN_N, EVEN_K)  # fmt: skip
@@ -326,7 +324,6 @@ def qgemv_mma(
     residual: Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     pdl: bool = False,
-    pdl_early: bool = False,
     config: MmaGemvConfig | None = None,
 ) -> Tensor:
     """``residual + x' @ dequantize(w).T`` for one decode row, on the tensor cores.
@@ -336,9 +333,7 @@ def qgemv_mma(
     to x's dtype, as ``rms_norm`` returns it) when ``norm_weight`` (K,) is given, else x;
     output (N,) or (1, N) in ``out_dtype`` (default x's dtype), fp32 accumulation, with
     ``residual`` (the output's shape) added before the rounding; ``pdl``: programmatic
-    dependent launch (Hopper; ignored elsewhere); ``pdl_early``: with ``pdl``, the next
-    kernel may launch at this one's start (``pdl_release``: it must read only constants
-    before its wait).
+    dependent launch (Hopper; ignored elsewhere).
     """
     check_weight(w, "qgemv_mma: w", 2)
     if w.bits != 4:
@@ -378,6 +373,6 @@ def qgemv_mma(
         GROUP=w.group_size, NG=n_groups, G=groups, BLOCK_N=cfg.block_n, W=warps,
         TERMS=_TERMS[x.dtype], HAS_NORM=norm_weight is not None, HAS_RES=residual is not None,
         EVEN_N=n % cfg.block_n == 0, EVEN_K=groups == n_groups, ON_CPU=x.device.type == "cpu",
-        PDL=pdl, EARLY=pdl and pdl_early, num_warps=warps, **pdl_launch(pdl), **regs,
+        PDL=pdl, num_warps=warps, **pdl_launch(pdl), **regs,
     )  # fmt: skip
     return out.reshape(out_shape)

@@ -154,19 +154,13 @@ class GpuRunner(Runner):
     """Kernel forward over the model's parameters and the engine's session state."""
 
     def __init__(self, model, chunk: int, use_graphs: bool = True, sample_on_device: bool = True,
-                 pdl: bool = True, mma: bool = True, pdl_early: bool = True):  # fmt: skip
+                 pdl: bool = True, mma: bool = True):  # fmt: skip
         self.model = model
         # Programmatic dependent launch for the decode step's GEMVs, DeltaNet step and MoE
         # (Hopper): each issues its weight (or state) loads while the kernel before it
         # drains (bench: the fused projection GEMV 10.3 -> 8.6 us, o_proj 4.98 -> 4.36 us;
         # the whole step at 4K 1.776 -> 1.522 ms). No-op elsewhere.
         self.pdl = pdl
-        # With PDL, the GEMVs, the DeltaNet step and the MoE's down launch let the next kernel
-        # launch at their start (``pdl_release``), so its programs load their weights in the
-        # room this one leaves. Safe here because every kernel after one of them reads only
-        # constants before its wait: a GEMV, the DeltaNet step or the MoE router (PDL), or
-        # attention, the final norm and the sampler (launched without PDL).
-        self.pdl_early = pdl_early
         # 4-bit decode GEMVs on the tensor cores (qgemv_mma; H200, in graphs with PDL:
         # DeltaNet projections 8.67 -> 7.47 us, attention's 7.6 -> 5.81, o_proj 4.38 -> 3.97,
         # lm_head 114 -> 89 us after its own norm launch; bench/results/linear_mma_h200.json)
@@ -238,8 +232,7 @@ class GpuRunner(Runner):
                 d, st = pre + "dn.", state.deltanet[i]
                 o = deltanet_decode(*parts, p[d + "conv1d"], st.conv, p[d + "A_log"],
                                     p[d + "dt_bias"], p[d + "norm"], st.recurrent, eps,
-                                    workspace=self.ws, pdl=self.pdl,
-                                    pdl_early=self.pdl_early)  # fmt: skip
+                                    workspace=self.ws, pdl=self.pdl)  # fmt: skip
                 x = self._out_proj(o, p[d + "out_proj"], x)
             else:
                 at, kv = pre + "attn.", state.kv[i]
@@ -249,8 +242,7 @@ class GpuRunner(Runner):
             # The post-attention norm is fused into the MoE's prologue; x stays the residual.
             x = moe_decode(x, *[p[pre + "moe." + n] for n in MOE_WEIGHTS],
                            top_k=cfg.num_experts_per_tok, residual=x,
-                           norm_weight=p[pre + "post_norm"], eps=eps, pdl=self.pdl,
-                           pdl_early=self.pdl_early)  # fmt: skip
+                           norm_weight=p[pre + "post_norm"], eps=eps, pdl=self.pdl)  # fmt: skip
         w = p["lm_head"]
         if isinstance(w, QuantWeight) and self._on_mma(w):
             # its own norm launch: in the GEMV's prologue each of ~7,800 programs redid it
@@ -275,7 +267,7 @@ class GpuRunner(Runner):
         """One decode row through a packed weight: qgemv_mma where ``_on_mma``, else the
         CUDA-core GEMV; PDL as the runner says."""
         if self._on_mma(w):
-            return qgemv_mma(x, w, pdl=self.pdl, pdl_early=self.pdl_early, **kw)
+            return qgemv_mma(x, w, pdl=self.pdl, **kw)
         return qgemv(x, w, pdl=self.pdl, **kw)
 
     # ---- one forward over T tokens (T = 1 is the decode step)

@@ -90,21 +90,18 @@ def test_kernel_runner_matches_reference(models, graphs):
 @pytest.mark.skipif(not CUDA, reason="programmatic dependent launch is a no-op without a GPU")
 def test_decode_with_pdl_equals_without(models):
     """The decode graph with PDL launches (each GEMV/MoE kernel starts while the one before
-    drains, waiting in-kernel before it reads), and with the early release (the next kernel
-    may start while the one before this one still runs), gives the same bits as plain
-    launches: a kernel reading an input before it is written would change them."""
+    drains, waiting in-kernel before it reads) gives the same bits as plain launches."""
     _, fast = models
     prompt = [7, 300, 12, 45, 99, 1, 250, 31, 8, 77, 400, 5, 6, 140, 141, 142, 9, 3, 21]
     outs = []
-    for pdl, early in ((False, False), (True, False), (True, True)):
-        runner = GpuRunner(fast, chunk=16, use_graphs=True, pdl=pdl, pdl_early=early)
+    for pdl in (False, True):
+        runner = GpuRunner(fast, chunk=16, use_graphs=True, pdl=pdl)
         st = SessionState.new(fast.cfg, DEVICE, torch.bfloat16, 512, initial_capacity=512)
         logits = [runner.prefill(prompt, st)]
         for _ in range(STEPS):
             logits.append(runner.decode(int(logits[-1].argmax()), st))
         outs.append(torch.stack(logits))
     assert torch.equal(outs[0], outs[1])
-    assert torch.equal(outs[0], outs[2])
 
 
 def test_snapshots_in_the_middle_of_a_chunk(models):
