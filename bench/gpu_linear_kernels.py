@@ -692,7 +692,7 @@ def pdl_forced():
         md.use_pdl, qg.use_pdl, qm.use_pdl = saved
 
 
-def compile_report(only: set[str]) -> list[dict]:
+def compile_report(only: set[str], sass_dir: str | None = None) -> list[dict]:
     """No GPU: compile every configuration the bench times (in the sections of ``only``)
     for sm_90 and read what ptxas gave each kernel (registers, stack bytes = spills, warpgroup
     and warp MMAs and the instruction count of the SASS; qgemv_mma also per 4-bit code).
@@ -832,6 +832,9 @@ def compile_report(only: set[str]) -> list[dict]:
                                      capture_output=True, text=True).stdout  # fmt: skip
                 sass = subprocess.run([tool, "--dump-sass", str(cubin)], capture_output=True,
                                       text=True).stdout  # fmt: skip
+            if sass_dir:
+                name = re.sub(r"[^\w.-]+", "_", f"{fn.__name__}_{label}")
+                (Path(sass_dir) / f"{name}.sass").write_text(sass)
             m = re.search(r"REG:(\d+) STACK:(\d+)", res)
             ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)", sass,
                              re.M)  # fmt: skip
@@ -839,6 +842,9 @@ def compile_report(only: set[str]) -> list[dict]:
                     "smem": c.metadata.shared, "wgmma": sass.count("HGMMA"),
                     "hmma": sass.count("HMMA."), "instr": sum(o != "NOP" for o in ops),
                     "movs": sum(o in ("MOV", "IMAD.MOV.U32") for o in ops)}  # fmt: skip
+            if "ACQBULK" in ops:  # griddepcontrol.wait: what the kernel does once it may read
+                after = ops[ops.index("ACQBULK") + 1 :]
+                row["after_wait"] = sum(o != "NOP" for o in after)
             if "BLOCK_N" in const and "GROUP" in const and "W" in const:  # tensor-core tiles
                 # codes a program multiplies: a tile, two (gate and up), or k slots of SG
                 # groups (down; the shared expert's FMA tile not counted)
@@ -875,6 +881,7 @@ def table(rows: list[dict], cols: list[str]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--sass-dir", help="with --compile-only: write each kernel's SASS here")
     ap.add_argument("--only", default="gemv,fused,gemv_mma,floors,gemm,moe_decode,moe_prefill")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="table tiles only, no sweeps")
@@ -889,7 +896,7 @@ def main() -> None:
         GEMV_SWEEP, GEMM_SWEEP, PREFILL_BM, MMA_SWEEP = {}, [], (), {}
         DECODE_CFGS = DECODE_CFGS[:3]
     if args.compile_only:
-        rows = compile_report(set(args.only.split(",")))
+        rows = compile_report(set(args.only.split(",")), args.sass_dir)
         print(table(rows, ["kernel", "config", "num_warps", "num_stages", "regs", "stack",
                            "smem", "wgmma", "hmma", "instr", "movs",
                            "instr_per_code"]))  # fmt: skip

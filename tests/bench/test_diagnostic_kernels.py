@@ -1,0 +1,68 @@
+"""The GPU diagnostics' own kernels against plain arithmetic and the reference GEMV (the
+Triton interpreter without a GPU): bench/gpu_launch_floor.py's chain link and grid barrier,
+bench/gpu_gemv_trace.py's stamped GEMV."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from lily.ops.ref_linear import ref_qlinear
+from lily.quant import quantize
+from tests.ops.common import rel_err
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _script(name: str):
+    # by its path: under pytest the name ``bench`` is the tests' folder
+    path = Path(__file__).parents[2] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+floor = _script("gpu_launch_floor")
+trace = _script("gpu_gemv_trace")
+
+
+def test_link_writes_half_the_sum_plus_its_program_id():
+    x = torch.randn(floor.BLOCK, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    out = torch.full((5,), float("nan"), device=DEVICE)
+    floor._link_kernel[(5,)](x, out, PDL=False, EARLY=False, BLOCK=floor.BLOCK)
+    want = float(x.double().sum()) * 0.5 + torch.arange(5, dtype=torch.float64)
+    torch.testing.assert_close(out.cpu().double(), want, rtol=1e-5, atol=1e-4)
+
+
+def test_barrier_rounds_in_one_program():
+    # One program: every round reads the half the last round wrote and passes its own
+    # barrier at once; the count must end at the number of rounds.
+    b = floor.BLOCK
+    buf = torch.randn(2 * b, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    want = buf.double().cpu().clone()
+    for r in range(3):
+        want[((r + 1) % 2) * b] = float(want[(r % 2) * b : (r % 2 + 1) * b].sum()) * 0.5
+    count = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    floor._barrier_kernel[(1,)](count, buf, ROUNDS=3, BLOCK=b)
+    assert int(count.item()) == 3
+    torch.testing.assert_close(buf.cpu().double(), want, rtol=1e-5, atol=1e-4)
+
+
+def test_traced_gemv_matches_the_reference_and_fills_its_trace():
+    # odd N (a partial row block), K of 3 groups padded to 4; with the norm and a residual
+    g = torch.Generator().manual_seed(1)
+    w = quantize(torch.randn(70, 192, generator=g) / 8, 4, 64).to(DEVICE)
+    x = torch.randn(192, generator=g).bfloat16().to(DEVICE)
+    res = torch.randn(70, generator=g).bfloat16().to(DEVICE)
+    nw = (1.0 + 0.2 * torch.randn(192, generator=g)).bfloat16().to(DEVICE)
+    t = torch.full((trace.programs(70, 192), trace.STAMPS + 1), -1, dtype=torch.int64,
+                   device=DEVICE)  # fmt: skip
+    y = trace.traced_gemv(x, w, t, norm_weight=nw, residual=res)
+    h = torch.nn.functional.rms_norm(x.float(), (192,), nw.float(), 1e-6).bfloat16()
+    assert rel_err(y, ref_qlinear(h, w, res)) < 5e-3
+    assert (t >= 0).all(), "every program writes its row"
+    if DEVICE == "cuda":  # stamps in order within each program
+        assert (t[:, 1:4].diff(dim=1) >= 0).all() and (t[:, 0] <= t[:, 1]).all()
