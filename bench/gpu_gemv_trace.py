@@ -31,7 +31,8 @@ from lily.ops.qgemv_mma import (
 )
 from lily.ops.rmsnorm import cast_to
 
-STAMPS = 4  # entry, loads issued, past the wait, stored
+# entry, loads issued, past the wait, (FINE: x ready, MMA operand ready, dot done), stored
+STAMPS = 7
 SHAPES = [  # name, N, K, with the norm prologue, with a residual
     ("dn qkv|z|b|a +norm", 12352, 2048, True, False),
     ("in_proj_qkv/q_proj", 8192, 2048, False, False),
@@ -62,35 +63,42 @@ def _traced_gemv_kernel(
     GROUP: tl.constexpr, NG: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
     W: tl.constexpr, TERMS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ON_CPU: tl.constexpr, PDL: tl.constexpr,
+    FINE: tl.constexpr,
 ):  # fmt: skip
-    # lily.ops.qgemv_mma._qgemv_mma_kernel with the stamps
+    # lily.ops.qgemv_mma._qgemv_mma_kernel with the stamps. FINE adds three inside the part
+    # after the wait, each after a block-wide sum of what it waits for (their barriers cost
+    # time of their own): x ready, the MMA operand ready, the dot done.
     i_n = tl.program_id(0)
-    t0 = _stamp(i_n, ON_CPU)
+    p_row = p_t + i_n * 8  # the stamps, then the SM
+    tl.store(p_row, _stamp(i_n, ON_CPU))
     b_w, b_s, b_b = mma_tile(p_qw, p_s, p_b, p_qw, i_n * BLOCK_N, N, stride_qn, stride_sn, 0, 0,
                              GROUP, NG, G, BLOCK_N, W, 0, EVEN_N, EVEN_K)  # fmt: skip
-    t1 = _stamp(i_n, ON_CPU)
+    tl.store(p_row + 1, _stamp(i_n, ON_CPU))
     pdl_wait(PDL)
-    t2 = _stamp(i_n, ON_CPU)
+    tl.store(p_row + 2, _stamp(i_n, ON_CPU))
     b_xn = mma_x_row(p_x, p_nw, eps, NG, G, GROUP, HAS_NORM, EVEN_K, ON_CPU)
+    if FINE:
+        tl.store(p_row + 3, _stamp(tl.sum(b_xn, axis=0).to(tl.int32, bitcast=True), ON_CPU))
     b_xb, b_xs = mma_x(b_xn, G, GROUP, W, TERMS, ON_CPU)
+    if FINE:
+        tl.store(p_row + 4, _stamp(tl.sum(b_xs, axis=0).to(tl.int32, bitcast=True), ON_CPU))
     acc = mma_dot(b_w, b_s, b_b, b_xb, b_xs, pair_mask, G, BLOCK_N, W, TERMS, ON_CPU)
+    if FINE:
+        tl.store(p_row + 5, _stamp(tl.sum(acc, axis=0).to(tl.int32, bitcast=True), ON_CPU))
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     if HAS_RES:
         acc += tl.load(p_res + o_n, mask=m_n, other=0.0).to(tl.float32)
     tl.store(p_out + o_n, cast_to(acc, p_out.dtype.element_ty, ON_CPU), mask=m_n)
-    t3 = _stamp(tl.sum(acc, axis=0).to(tl.int32, bitcast=True), ON_CPU)
-    p_row = p_t + i_n * 5  # the STAMPS, then the SM
-    tl.store(p_row, t0)
-    tl.store(p_row + 1, t1)
-    tl.store(p_row + 2, t2)
-    tl.store(p_row + 3, t3)
-    tl.store(p_row + 4, _smid(i_n, ON_CPU).to(tl.int64))
+    tl.store(p_row + 6, _stamp(tl.sum(acc, axis=0).to(tl.int32, bitcast=True), ON_CPU))
+    tl.store(p_row + 7, _smid(i_n, ON_CPU).to(tl.int64))
 
 
-def traced_gemv(x, w, trace, *, norm_weight=None, residual=None, eps=1e-6, pdl=False):
+def traced_gemv(x, w, trace, *, norm_weight=None, residual=None, eps=1e-6, pdl=False,
+                fine=False):  # fmt: skip
     """``qgemv_mma`` (one row, table tile) writing (programs, STAMPS + 1) int64 into
-    ``trace``: the stamps, then the SM id. Returns the output (N,)."""
+    ``trace``: the stamps (the three FINE ones stay as they were unless ``fine``), then the
+    SM id. Returns the output (N,)."""
     n, k = w.shape
     cfg = mma_gemv_config(n, k, w.group_size)
     ng = k // w.group_size
@@ -108,7 +116,8 @@ def traced_gemv(x, w, trace, *, norm_weight=None, residual=None, eps=1e-6, pdl=F
         w.scales.stride(0), _PAIR_MASK, float(eps),
         GROUP=w.group_size, NG=ng, G=g, BLOCK_N=cfg.block_n, W=warps, TERMS=_TERMS[x.dtype],
         HAS_NORM=norm_weight is not None, HAS_RES=residual is not None,
-        EVEN_N=n % cfg.block_n == 0, EVEN_K=g == ng, ON_CPU=on_cpu, PDL=pdl, num_warps=warps,
+        EVEN_N=n % cfg.block_n == 0, EVEN_K=g == ng, ON_CPU=on_cpu, PDL=pdl, FINE=fine,
+        num_warps=warps,
         **pdl_launch(pdl), **regs,
     )  # fmt: skip
     return out
@@ -118,28 +127,35 @@ def programs(n: int, k: int) -> int:
     return cdiv(n, mma_gemv_config(n, k, 64).block_n)
 
 
-def analyse(traces: list[torch.Tensor]) -> dict:
-    """Per call against the one before (us): the medians over the chain."""
+def analyse(traces: list[torch.Tensor], fine: bool) -> dict:
+    """Per call against the one before (us): the medians over the chain; with ``fine``, the
+    median program's time in each part after its wait."""
     ts = [t.cpu() for t in traces]
-    rows = {"period": [], "started_before_prev_end": [], "first_start_after_prev_end": [],
-            "wait_after_prev_end": [], "last_wait_after_prev_end": [], "post_wait_median": [],
-            "post_wait_max": [], "wait_spread": []}  # fmt: skip
+    rows: dict[str, list[float]] = {}
+
+    def add(key: str, v: float) -> None:
+        rows.setdefault(key, []).append(v)
+
     for prev, cur in zip(ts, ts[1:], strict=False):
-        prev_end = int(prev[:, 3].max())
-        start, waited, end = cur[:, 0], cur[:, 2], cur[:, 3]
-        rows["period"].append((int(end.max()) - prev_end) / 1e3)
-        rows["started_before_prev_end"].append(float((start < prev_end).float().mean()))
-        rows["first_start_after_prev_end"].append((int(start.min()) - prev_end) / 1e3)
-        rows["wait_after_prev_end"].append((int(waited.min()) - prev_end) / 1e3)
-        rows["last_wait_after_prev_end"].append((int(waited.max()) - prev_end) / 1e3)
+        prev_end = int(prev[:, 6].max())
+        start, waited, end = cur[:, 0], cur[:, 2], cur[:, 6]
+        add("period", (int(end.max()) - prev_end) / 1e3)
+        add("started_before_prev_end", float((start < prev_end).float().mean()))
+        add("first_start_after_prev_end", (int(start.min()) - prev_end) / 1e3)
+        add("wait_after_prev_end", (int(waited.min()) - prev_end) / 1e3)
+        add("wait_spread", (int(waited.max()) - int(waited.min())) / 1e3)
         post = (end - waited).double() / 1e3
-        rows["post_wait_median"].append(float(post.median()))
-        rows["post_wait_max"].append(float(post.max()))
-        rows["wait_spread"].append((int(waited.max()) - int(waited.min())) / 1e3)
+        add("post_wait_median", float(post.median()))
+        add("post_wait_max", float(post.max()))
+        if fine:
+            for key, lo, hi in (("x_ready", 2, 3), ("operand_ready", 3, 4), ("dot", 4, 5),
+                                ("store", 5, 6)):  # fmt: skip
+                add(key + "_median", float(((cur[:, hi] - cur[:, lo]).double() / 1e3).median()))
     out = {k: round(statistics.median(v), 3) for k, v in rows.items()}
-    steps = torch.cat([t[:, :4].reshape(-1) for t in ts]).unique().diff()
+    cols = [0, 1, 2, 6] + ([3, 4, 5] if fine else [])
+    steps = torch.cat([t[:, cols].reshape(-1) for t in ts]).unique().diff()
     out["timer_step_ns"] = int(steps[steps > 0].min()) if (steps > 0).any() else 0
-    out["sms_used"] = int(ts[-1][:, 4].unique().numel())
+    out["sms_used"] = int(ts[-1][:, 7].unique().numel())
     return out
 
 
@@ -162,18 +178,24 @@ def main() -> None:
                for _ in ws]  # fmt: skip
         kw = {"norm_weight": nw} if has_norm else {}
 
-        def calls(ws=ws, xs=xs, rs=rs, trs=trs, kw=kw, has_res=has_res):
-            for w, x, r, t in zip(ws, xs, rs, trs, strict=True):
-                traced_gemv(x, w, t, residual=r if has_res else None, pdl=True, **kw)
+        for fine, one in ((False, False), (True, False), (False, True)):
+            over = [ws[0]] * len(ws) if one else ws  # one weight: from L2
 
-        graph, _ = capture_graph(calls)
-        for _ in range(5):
-            graph.replay()
-        torch.cuda.synchronize()
-        row = {"shape": name, "calls": len(ws), "programs": programs(n, k), **analyse(trs)}
-        row["graph_us_per_call"] = round(_per_call(graph, len(ws)), 3)
-        results.append(row)
-        print(row, flush=True)
+            def calls(ws=over, xs=xs, rs=rs, trs=trs, kw=kw, has_res=has_res, fine=fine):
+                for w, x, r, t in zip(ws, xs, rs, trs, strict=True):
+                    traced_gemv(x, w, t, residual=r if has_res else None, pdl=True, fine=fine,
+                                **kw)  # fmt: skip
+
+            graph, _ = capture_graph(calls)
+            for _ in range(5):
+                graph.replay()
+            torch.cuda.synchronize()
+            row = {"shape": name, "stamps": "fine" if fine else "coarse",
+                   "weights": "one (L2)" if one else "distinct (HBM)", "calls": len(ws),
+                   "programs": programs(n, k), **analyse(trs, fine)}  # fmt: skip
+            row["graph_us_per_call"] = round(_per_call(graph, len(ws)), 3)
+            results.append(row)
+            print(row, flush=True)
         del ws
     write_json(args.out, args, results=results)
 

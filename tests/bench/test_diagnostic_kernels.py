@@ -60,9 +60,9 @@ def test_traced_gemv_matches_the_reference_and_fills_its_trace():
     nw = (1.0 + 0.2 * torch.randn(192, generator=g)).bfloat16().to(DEVICE)
     t = torch.full((trace.programs(70, 192), trace.STAMPS + 1), -1, dtype=torch.int64,
                    device=DEVICE)  # fmt: skip
-    y = trace.traced_gemv(x, w, t, norm_weight=nw, residual=res)
+    y = trace.traced_gemv(x, w, t, norm_weight=nw, residual=res, fine=True)
     h = torch.nn.functional.rms_norm(x.float(), (192,), nw.float(), 1e-6).bfloat16()
     assert rel_err(y, ref_qlinear(h, w, res)) < 5e-3
     assert (t >= 0).all(), "every program writes its row"
     if DEVICE == "cuda":  # stamps in order within each program
-        assert (t[:, 1:4].diff(dim=1) >= 0).all() and (t[:, 0] <= t[:, 1]).all()
+        assert (t[:, :7].diff(dim=1) >= 0).all()
