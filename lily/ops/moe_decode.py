@@ -6,15 +6,13 @@ weight loads at once (whole K per program), before any reduction:
 1. ``_moe_router_kernel``: the router logits (E rows, fp32), the shared expert's gate logit
    (row E of the logits) and the shared expert's gate/up with ``silu(gate) * up`` (h row k):
    the shared expert does not depend on the routing, so it rides in the router's launch;
-   the last router program to finish (a ticket) takes the top-k (bitonic) and writes the k
-   (expert, weight) pairs;
-2. ``_moe_gate_up_kernel``, grid (k slots x I blocks): both projections of its slot's
-   expert, ``silu(gate) * up`` into h (k+1, I) fp32 (stays in L2);
+2. ``_moe_gate_up_kernel``, grid (k slots x I blocks): every program reads the E logits and
+   takes the top-k itself (bitonic, under a microsecond; no ticket, no extra launch), then
+   both projections of its slot's expert, ``silu(gate) * up`` into h (k+1, I) fp32 (stays
+   in L2); program 0 also writes the k (expert, weight) pairs for launch 3;
 3. ``_moe_down_kernel``, grid (D blocks,): a program owns its output rows across all slots,
-   loading the k experts' tiles as one (k, rows, words) block before its PDL wait (the
-   routing is two launches back), so they stream while gate/up runs; routing weights, the
-   shared gate ``sigmoid(logit)`` and the residual are applied in registers, the row
-   written once.
+   loading the k experts' tiles as one (k, rows, words) block; routing weights, the shared
+   gate ``sigmoid(logit)`` and the residual are applied in registers, the row written once.
 
 Launches 2 and 3 run on the tensor cores where the experts allow it (4-bit, 16-byte rows:
 the model's case; ``MoeDecodeConfig.mma``): lily/ops/moe_decode_mma.py. The FMA kernels
@@ -87,13 +85,12 @@ def _gate_up(
 @launched
 @triton.jit
 def _moe_router_kernel(
-    p_x, p_nw, p_logits, p_h, p_ids, p_wts, p_count,
+    p_x, p_nw, p_logits, p_h,
     p_rw, p_rs, p_rb, stride_rqn, stride_rsn,
     p_cw, p_cs, p_cb,
     p_sgw, p_sgs, p_sgb, p_suw, p_sus, p_sub, stride_sqn, stride_ssn,
     E, D, I_S, stride_h, mask_lo_r, mask_lo_c, mask_lo, eps,
-    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    R_PROGS: tl.constexpr, R_BN: tl.constexpr, R_BITS: tl.constexpr,
+    TOP_K: tl.constexpr, R_PROGS: tl.constexpr, R_BN: tl.constexpr, R_BITS: tl.constexpr,
     R_GROUP: tl.constexpr, R_BG: tl.constexpr, C_BITS: tl.constexpr, C_GROUP: tl.constexpr,
     C_BG: tl.constexpr, S_BN: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
     S_BG: tl.constexpr, HAS_NORM: tl.constexpr, NORM_BLOCK: tl.constexpr,
@@ -112,18 +109,6 @@ def _moe_router_kernel(
             NORM_STEPS, ON_CPU, PDL,
         )  # fmt: skip
         tl.store(p_logits + o_r[None, :], b_r, mask=(o_r < E)[None, :])
-        # The last router program to finish takes the top-k for launches 2 and 3 (a ticket:
-        # every program's logits are visible to the one that draws R_PROGS - 1).
-        tl.debug_barrier()
-        ticket = tl.atomic_add(p_count, 1, sem="acq_rel")
-        if ticket == R_PROGS - 1:
-            o_e = tl.arange(0, BLOCK_E)
-            o_k = tl.arange(0, BLOCK_K)
-            b_l = tl.load(p_logits + o_e, mask=o_e < E, other=0.0, cache_modifier=".cg")
-            ids, wts = topk_rows(b_l[None, :], E, TOP_K, BLOCK_K)
-            tl.store(p_ids + o_k[None, :], ids, mask=(o_k < TOP_K)[None, :])
-            tl.store(p_wts + o_k[None, :], wts, mask=(o_k < TOP_K)[None, :])
-            tl.atomic_xchg(p_count, 0)  # zero again for the next launch
     elif pid == R_PROGS:
         # The shared expert's gate (one row) -> logits[E].
         o_c = tl.arange(0, 2)
@@ -151,22 +136,29 @@ def _moe_router_kernel(
 @launched
 @triton.jit
 def _moe_gate_up_kernel(
-    p_x, p_nw, p_ids, p_h,
+    p_x, p_nw, p_logits, p_ids, p_wts, p_h,
     p_gw, p_gs, p_gb, p_uw, p_us, p_ub, stride_we, stride_se, stride_qn, stride_sn,
-    D, I_E, stride_h, mask_lo, eps,
-    BITS: tl.constexpr,
+    E, D, I_E, stride_h, mask_lo, eps,
+    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BITS: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr,
     HAS_NORM: tl.constexpr, ON_CPU: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     slot = pid // N_BLOCKS
     i_n = pid % N_BLOCKS
-    # x first: its loads fly while the router finishes (the weights must wait for the id).
+    o_e = tl.arange(0, BLOCK_E)
+    o_k = tl.arange(0, BLOCK_K)
+    # x first: its loads fly while the top-k runs (the weights must wait for the expert id).
     # NOTE: with PDL, x may be read before pdl_wait: it was written before the router kernel
     # ran, and this kernel starts only once every router program has passed its own wait.
     b_x, b_nw = load_x(p_x, p_nw, 0, D // GROUP, True, HAS_NORM, BITS, GROUP, BLOCK_G)
     pdl_wait(PDL)
-    e64 = tl.load(p_ids + slot).to(tl.int64)
+    b_l = tl.load(p_logits + o_e, mask=o_e < E, other=0.0)
+    ids, wts = topk_rows(b_l[None, :], E, TOP_K, BLOCK_K)
+    if pid == 0:
+        tl.store(p_ids + o_k[None, :], ids, mask=(o_k < TOP_K)[None, :])
+        tl.store(p_wts + o_k[None, :], wts, mask=(o_k < TOP_K)[None, :])
+    e64 = tl.sum(tl.sum(tl.where(o_k[None, :] == slot, ids, 0), axis=1), axis=0).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < I_E
     b_gw, b_gs, b_gb, b_uw, b_us, b_ub = _gate_up_words(
@@ -251,11 +243,10 @@ def _moe_down_kernel(
         p_sdw, p_sds, p_sdb, stride_sqn, stride_ssn, p_h, stride_h, p_logits, p_res, o_n, m_n,
         E, I_S, TOP_K, BITS, GROUP, S_BG, HAS_SHARED, HAS_RES,
     )  # fmt: skip
-    # The routing is the router launch's (two launches back, complete before this one may
-    # start), so the k experts' (rows, I) tiles load before the wait, as one block: every
-    # load in flight at once, while the gate/up launch still runs.
+    pdl_wait(PDL)
     e64 = tl.load(p_ids + o_k, mask=m_k, other=0).to(tl.int64)
     b_r = tl.load(p_wts + o_k, mask=m_k, other=0.0)
+    # The k experts' (rows, I) tiles as one block, so every load is in flight at once.
     n_groups = I_E // GROUP
     o_w = tl.arange(0, BW)
     o_g = tl.arange(0, BLOCK_G)
@@ -267,7 +258,6 @@ def _moe_down_kernel(
     m_sb = m_kn & (o_g < n_groups)[None, None, :]
     b_s = tl.load(p_ds + p_sb, mask=m_sb, other=0.0).to(tl.float32)
     b_b = tl.load(p_db + p_sb, mask=m_sb, other=0.0).to(tl.float32)
-    pdl_wait(PDL)
     o_x = tl.arange(0, BW)[:, None] * PER + tl.arange(0, PER)[None, :]
     m_x = m_k[:, None, None] & (o_x < I_E)[None, :, :]
     b_h = tl.load(p_h + o_k[:, None, None] * stride_h + o_x[None, :, :], mask=m_x, other=0.0)
@@ -275,22 +265,6 @@ def _moe_down_kernel(
     acc = tl.sum(_gemv_tile3(b_w, b_s, b_b, b_h, mask_lo, BITS, BLOCK_G) * b_r[:, None], axis=0)
     down_finish(acc, b_sw, b_ss, b_sb, b_hs, b_c, b_res, p_out, o_n, m_n, mask_lo, BITS, S_BG,
                  HAS_SHARED, HAS_RES, ON_CPU)  # fmt: skip
-
-
-_TICKETS: dict[torch.device, Tensor] = {}
-
-
-def _ticket(dev: torch.device) -> Tensor:
-    """The router launch's counter (int32, zero between launches: its last program resets
-    it), one per device: the layers' MoE blocks run one after another. Made outside graph
-    capture so that it stays out of a graph's memory pool."""
-    t = _TICKETS.get(dev)
-    if t is None:
-        t = torch.zeros(1, dtype=torch.int32, device=dev)
-        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return t  # this capture's own, zeroed by its own captured fill
-        _TICKETS[dev] = t
-    return t
 
 
 @dataclass(frozen=True)
@@ -435,18 +409,15 @@ def moe_decode(
     block_k = pow2(top_k)
     pdl = use_pdl(pdl, dev)
 
-    # 1. router logits, the shared gate's logit (slot E), the shared expert's h (row k), and
-    # the top-k (expert, weight) pairs from the last router program.
+    # 1. router logits, the shared gate's logit (slot E), the shared expert's h (row k).
     logits = torch.empty(e + 1, dtype=torch.float32, device=dev)
-    ids = torch.empty(top_k, dtype=torch.int32, device=dev)
-    wts = torch.empty(top_k, dtype=torch.float32, device=dev)
     h = torch.empty((top_k + 1, max(i, i_s)), dtype=torch.float32, device=dev)
     r_progs = cdiv(e, cfg.router_rows)
     seg = shared_expert_gate if has_shared else router
     sg, su, sd = (shared_gate, shared_up, shared_down) if has_shared else (gate[0], up[0], down[0])
     s_progs = 1 + cdiv(i_s, cfg.shared_rows) if has_shared else 0
     _moe_router_kernel[(r_progs + s_progs,)](
-        x, nw, logits, h, ids, wts, _ticket(dev),
+        x, nw, logits, h,
         router.qweight, router.scales, router.biases, router.qweight.stride(0),
         router.scales.stride(0),
         seg.qweight, seg.scales, seg.biases,
@@ -454,8 +425,7 @@ def moe_decode(
         sg.qweight.stride(0), sg.scales.stride(0),
         e, d, i_s, h.stride(0), mask_lo(router.bits), mask_lo(seg.bits), mask_lo(gate.bits),
         float(eps),
-        TOP_K=top_k, BLOCK_K=block_k, BLOCK_E=pow2(e), R_PROGS=r_progs,
-        R_BN=cfg.router_rows, R_BITS=router.bits,
+        TOP_K=top_k, R_PROGS=r_progs, R_BN=cfg.router_rows, R_BITS=router.bits,
         R_GROUP=router.group_size, R_BG=_whole(d, router.group_size), C_BITS=seg.bits,
         C_GROUP=seg.group_size, C_BG=_whole(d, seg.group_size), S_BN=cfg.shared_rows,
         BITS=gate.bits, GROUP=gs, S_BG=_whole(d, gs), HAS_NORM=has_norm,
@@ -463,7 +433,9 @@ def moe_decode(
         num_warps=cfg.num_warps, **pdl_launch(pdl),
     )  # fmt: skip
 
-    # 2. routed gate/up of each slot's expert.
+    # 2. top-k in every program, routed gate/up; program 0 writes the (expert, weight) pairs.
+    ids = torch.empty(top_k, dtype=torch.int32, device=dev)
+    wts = torch.empty(top_k, dtype=torch.float32, device=dev)
     out = torch.empty(d, dtype=x.dtype, device=dev)
     res = residual if residual is not None else out
     if cfg.mma and all(mma_fits(w) for w in (gate, up, down)):
@@ -473,12 +445,13 @@ def moe_decode(
         return out
     nb = cdiv(i, cfg.gate_up_rows)
     _moe_gate_up_kernel[(top_k * nb,)](
-        x, nw, ids, h,
+        x, nw, logits, ids, wts, h,
         gate.qweight, gate.scales, gate.biases, up.qweight, up.scales, up.biases,
         gate.qweight.stride(0), gate.scales.stride(0), gate.qweight.stride(1),
         gate.scales.stride(1),
-        d, i, h.stride(0), mask_lo(gate.bits), float(eps),
-        BITS=gate.bits, GROUP=gs, BLOCK_G=_whole(d, gs), BLOCK_N=cfg.gate_up_rows, N_BLOCKS=nb,
+        e, d, i, h.stride(0), mask_lo(gate.bits), float(eps),
+        TOP_K=top_k, BLOCK_K=block_k, BLOCK_E=pow2(e), BITS=gate.bits,
+        GROUP=gs, BLOCK_G=_whole(d, gs), BLOCK_N=cfg.gate_up_rows, N_BLOCKS=nb,
         HAS_NORM=has_norm, ON_CPU=on_cpu, PDL=pdl, num_warps=cfg.num_warps, **pdl_launch(pdl),
     )  # fmt: skip
 

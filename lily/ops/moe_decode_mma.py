@@ -1,11 +1,11 @@
 """Launches 2 and 3 of ``moe_decode`` with the routed experts on the tensor cores.
 
 Both use qgemv_mma's tile (codes unpacked straight into MMA operands, see
-lily/ops/qgemv_mma.py): ``_moe_gate_up_mma_kernel`` multiplies its slot's expert's gate and
-up rows; ``_moe_down_mma_kernel`` takes the k chosen experts' rows as one K of k * I (slot
-j = expert ids[j], the router launch's top-k, loaded before the PDL wait). The FMA kernels
-in moe_decode.py spent about 1.7x the instructions a code (compile-only sm_90 counts,
-docs/notes/decode_step.md) and stay for 8-bit experts and unaligned rows.
+lily/ops/qgemv_mma.py): ``_moe_gate_up_mma_kernel`` takes the top-k like the FMA kernel and
+multiplies its slot's gate and up rows; ``_moe_down_mma_kernel`` takes the k chosen experts'
+rows as one K of k * I (slot j = expert ids[j]). The FMA kernels in moe_decode.py spent
+about 1.7x the instructions a code (compile-only sm_90 counts, docs/notes/decode_step.md)
+and stay for 8-bit experts and unaligned rows.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from lily.ops.launch import cdiv, launched, mask_lo, pdl_launch, pow2
-from lily.ops.moe_decode_parts import down_early, down_finish
+from lily.ops.moe_decode_parts import down_early, down_finish, topk_rows
 from lily.ops.norm_rope import sigmoid
 from lily.ops.qgemv import pdl_wait
 from lily.ops.qgemv_mma import _PAIR_MASK, _TERMS, mma_dot, mma_tile, mma_x, mma_x_row
@@ -24,10 +24,11 @@ from lily.quant import QuantWeight
 @launched
 @triton.jit
 def _moe_gate_up_mma_kernel(
-    p_x, p_nw, p_ids, p_h,
+    p_x, p_nw, p_logits, p_ids, p_wts, p_h,
     p_gw, p_gs, p_gb, p_uw, p_us, p_ub, stride_we, stride_se, stride_qn, stride_sn,
-    I_E, stride_h, pair_mask, eps,
-    GROUP: tl.constexpr, NG: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, W: tl.constexpr,
+    E, I_E, stride_h, pair_mask, eps,
+    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, GROUP: tl.constexpr,
+    NG: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, W: tl.constexpr,
     N_BLOCKS: tl.constexpr, TERMS: tl.constexpr, HAS_NORM: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ON_CPU: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -36,12 +37,19 @@ def _moe_gate_up_mma_kernel(
     pid = tl.program_id(0)
     slot = pid // N_BLOCKS
     row0 = (pid % N_BLOCKS) * BLOCK_N
+    o_e = tl.arange(0, BLOCK_E)
+    o_k = tl.arange(0, BLOCK_K)
     # x and its MMA operand before the wait (x was written before the router kernel ran:
     # see moe_decode._moe_gate_up_kernel's note); the weights must wait for the expert id.
     b_xn = mma_x_row(p_x, p_nw, eps, NG, G, GROUP, HAS_NORM, EVEN_K, ON_CPU)
     b_xb, b_xs = mma_x(b_xn, G, GROUP, W, TERMS, ON_CPU)
     pdl_wait(PDL)
-    e64 = tl.load(p_ids + slot).to(tl.int64)
+    b_l = tl.load(p_logits + o_e, mask=o_e < E, other=0.0)
+    ids, wts = topk_rows(b_l[None, :], E, TOP_K, BLOCK_K)
+    if pid == 0:
+        tl.store(p_ids + o_k[None, :], ids, mask=(o_k < TOP_K)[None, :])
+        tl.store(p_wts + o_k[None, :], wts, mask=(o_k < TOP_K)[None, :])
+    e64 = tl.sum(tl.sum(tl.where(o_k[None, :] == slot, ids, 0), axis=1), axis=0).to(tl.int64)
     # NOTE: experts start on 16 bytes (checked by the launcher), so the words' vector loads
     # stay (see mma_tile)
     o_we = tl.multiple_of(e64 * stride_we, 4)
@@ -86,11 +94,9 @@ def _moe_down_mma_kernel(
         p_sdw, p_sds, p_sdb, stride_sqn, stride_ssn, p_h, stride_h, p_logits, p_res, o_n, m_n,
         E, I_S, TOP_K, BITS, GROUP, S_BG, HAS_SHARED, HAS_RES,
     )  # fmt: skip
-    # The routing is the router launch's (two launches back, complete before this one may
-    # start): the chosen experts' tiles load before the wait, while gate/up still runs.
+    pdl_wait(PDL)
     b_w, b_s, b_b = mma_tile(p_dw, p_ds, p_db, p_ids, row0, D, stride_qn, stride_sn, stride_we,
                              stride_se, GROUP, NG, G, BLOCK_N, W, SG, EVEN_N, NG == G)  # fmt: skip
-    pdl_wait(PDL)
     o_x = tl.arange(0, G * GROUP)
     m_x = o_x < NG * GROUP
     x_slot = o_x // (SG * GROUP)
@@ -124,11 +130,11 @@ def moe_mma_experts(
     w = min(cfg.mma_warps, g)
     nb = cdiv(i, bn)
     _moe_gate_up_mma_kernel[(top_k * nb,)](
-        x, nw, ids, h,
+        x, nw, logits, ids, wts, h,
         gate.qweight, gate.scales, gate.biases, up.qweight, up.scales, up.biases,
         gate.qweight.stride(0), gate.scales.stride(0), gate.qweight.stride(1),
-        gate.scales.stride(1), i, h.stride(0), _PAIR_MASK, float(eps),
-        GROUP=gs, NG=ng, G=g, BLOCK_N=bn,
+        gate.scales.stride(1), e, i, h.stride(0), _PAIR_MASK, float(eps),
+        TOP_K=top_k, BLOCK_K=pow2(top_k), BLOCK_E=pow2(e), GROUP=gs, NG=ng, G=g, BLOCK_N=bn,
         W=w, N_BLOCKS=nb, TERMS=_TERMS[x.dtype], HAS_NORM=has_norm, EVEN_N=i % bn == 0,
         EVEN_K=g == ng, ON_CPU=on_cpu, PDL=pdl, num_warps=w, **pdl_launch(pdl),
     )  # fmt: skip
