@@ -36,8 +36,10 @@ def _link_kernel(p_in, p_out, PDL: tl.constexpr, EARLY: tl.constexpr, BLOCK: tl.
 
 
 @triton.jit
-def _barrier_kernel(p_count, p_buf, ROUNDS: tl.constexpr, BLOCK: tl.constexpr):
-    # Every program: read the buffer, write its value, arrive, poll until all have arrived.
+def _barrier_kernel(p_count, p_buf, ROUNDS: tl.constexpr, BLOCK: tl.constexpr,
+                    POLL_LOAD: tl.constexpr = False):  # fmt: skip
+    # Every program: read the buffer, write its value, arrive, poll until all have arrived
+    # (an atomic read, or with POLL_LOAD a volatile load, then an acquiring atomic once).
     pid = tl.program_id(0)
     n = tl.num_programs(0)
     for r in range(ROUNDS):
@@ -45,9 +47,15 @@ def _barrier_kernel(p_count, p_buf, ROUNDS: tl.constexpr, BLOCK: tl.constexpr):
         tl.store(p_buf + ((r + 1) % 2) * BLOCK + pid, tl.sum(x, axis=0) * 0.5 + pid)
         tl.atomic_add(p_count, 1, sem="release")
         target = (r + 1) * n
-        seen = tl.atomic_add(p_count, 0, sem="acquire")
-        while seen < target:
+        if POLL_LOAD:
+            seen = tl.load(p_count, volatile=True)
+            while seen < target:
+                seen = tl.load(p_count, volatile=True)
+            tl.atomic_add(p_count, 0, sem="acquire")
+        else:
             seen = tl.atomic_add(p_count, 0, sem="acquire")
+            while seen < target:
+                seen = tl.atomic_add(p_count, 0, sem="acquire")
 
 
 def graph_us(fn, n_calls: int, reps: int = 7) -> float:
@@ -101,19 +109,21 @@ def barrier_rows(rounds: int) -> list[dict]:
     buf = torch.ones(2 * BLOCK, device="cuda")
     for grid in (132, 264):
         for warps in (4, 8):
+            for poll in (False, True):
 
-            def one(grid=grid, warps=warps):
-                count.zero_()
-                _barrier_kernel[(grid,)](count, buf, ROUNDS=rounds, BLOCK=BLOCK,
-                                         num_warps=warps)  # fmt: skip
+                def one(grid=grid, warps=warps, poll=poll):
+                    count.zero_()
+                    _barrier_kernel[(grid,)](count, buf, ROUNDS=rounds, BLOCK=BLOCK,
+                                             POLL_LOAD=poll, num_warps=warps)  # fmt: skip
 
-            one()
-            torch.cuda.synchronize()
-            assert int(count.item()) == rounds * grid, "barrier rounds incomplete"
-            us = graph_us(one, rounds)
-            rows.append({"what": "grid barrier in one kernel", "grid": grid, "warps": warps,
-                         "us_per_link": round(us, 3)})  # fmt: skip
-            print(rows[-1], flush=True)
+                one()
+                torch.cuda.synchronize()
+                assert int(count.item()) == rounds * grid, "barrier rounds incomplete"
+                us = graph_us(one, rounds)
+                rows.append({"what": "grid barrier in one kernel", "grid": grid,
+                             "warps": warps, "poll": "volatile load" if poll else "atomic",
+                             "us_per_link": round(us, 3)})  # fmt: skip
+                print(rows[-1], flush=True)
     return rows
 
 

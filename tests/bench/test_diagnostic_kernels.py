@@ -45,10 +45,12 @@ def test_barrier_rounds_in_one_program():
     want = buf.double().cpu().clone()
     for r in range(3):
         want[((r + 1) % 2) * b] = float(want[(r % 2) * b : (r % 2 + 1) * b].sum()) * 0.5
-    count = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    floor._barrier_kernel[(1,)](count, buf, ROUNDS=3, BLOCK=b)
-    assert int(count.item()) == 3
-    torch.testing.assert_close(buf.cpu().double(), want, rtol=1e-5, atol=1e-4)
+    for poll in (False, True):
+        got = buf.clone()
+        count = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+        floor._barrier_kernel[(1,)](count, got, ROUNDS=3, BLOCK=b, POLL_LOAD=poll)
+        assert int(count.item()) == 3
+        torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-4)
 
 
 def test_traced_gemv_matches_the_reference_and_fills_its_trace():
