@@ -5,9 +5,10 @@ floor of such a chain with (almost) no work: CUDA graphs of back-to-back kernels
 program reads 4 KB the previous kernel wrote and writes one value, per kernel in us, for
 grids of 132-528 programs, launched plainly, with programmatic dependent launch (the wait
 then the release, as the engine's kernels do) and with the release at the kernel's start.
-Next to it, the same dependency as a grid barrier inside one persistent kernel (an atomic
-counter every program adds to and then polls): what a whole-step kernel would pay per
-dependency instead of a launch.
+Also the same chain linked by counters instead of the PDL wait (each kernel releases the
+next at its start; its programs poll the previous kernel's counter), and the dependency as
+a grid barrier inside one persistent kernel (an atomic counter every program adds to and
+then polls): what a whole-step design would pay per dependency instead of a launch.
 """
 
 from __future__ import annotations
@@ -33,6 +34,26 @@ def _link_kernel(p_in, p_out, PDL: tl.constexpr, EARLY: tl.constexpr, BLOCK: tl.
     pid = tl.program_id(0)
     x = tl.load(p_in + tl.arange(0, BLOCK))
     tl.store(p_out + pid, tl.sum(x, axis=0) * 0.5 + pid)
+
+
+@triton.jit
+def _flag_link_kernel(p_in, p_out, p_prev, p_next, target, FIRST: tl.constexpr,
+                      BLOCK: tl.constexpr, ON_CPU: tl.constexpr = False):  # fmt: skip
+    # The link by a counter instead of the PDL wait: the next kernel may launch at once
+    # (every program releases it first); a program polls the previous kernel's counter
+    # until all its programs have written, reads, writes, and counts itself in.
+    if not ON_CPU:
+        gdc_launch_dependents()
+    if not FIRST:
+        seen = tl.load(p_prev, volatile=True)
+        while seen < target:
+            seen = tl.load(p_prev, volatile=True)
+        tl.atomic_add(p_prev, 0, sem="acquire")
+    pid = tl.program_id(0)
+    x = tl.load(p_in + tl.arange(0, BLOCK), cache_modifier=".cg")
+    tl.store(p_out + pid, tl.sum(x, axis=0) * 0.5 + pid)
+    tl.debug_barrier()
+    tl.atomic_add(p_next, 1, sem="release")
 
 
 @triton.jit
@@ -100,6 +121,24 @@ def chain_rows(n_kernels: int) -> list[dict]:
                 rows.append({"what": "kernel chain", "grid": grid, "warps": warps,
                              "launch": label, "us_per_link": round(us, 3)})  # fmt: skip
                 print(rows[-1], flush=True)
+            counts = torch.zeros(n_kernels, dtype=torch.int32, device="cuda")
+
+            def flags(grid=grid, warps=warps, counts=counts):
+                counts.zero_()  # one fill node a replay
+                for i in range(n_kernels):
+                    _flag_link_kernel[(grid,)](
+                        bufs[i], bufs[i + 1], counts[max(i - 1, 0)], counts[i], grid,
+                        FIRST=i == 0, BLOCK=BLOCK, num_warps=warps, launch_pdl=True,
+                    )  # fmt: skip
+
+            flags()
+            torch.cuda.synchronize()
+            assert bool((counts == grid).all()), "a flag link did not count every program"
+            us = graph_us(flags, n_kernels)
+            rows.append({"what": "kernel chain", "grid": grid, "warps": warps,
+                         "launch": "pdl, release at start, counter instead of the wait",
+                         "us_per_link": round(us, 3)})  # fmt: skip
+            print(rows[-1], flush=True)
     return rows
 
 

@@ -37,6 +37,17 @@ def test_link_writes_half_the_sum_plus_its_program_id():
     torch.testing.assert_close(out.cpu().double(), want, rtol=1e-5, atol=1e-4)
 
 
+def test_flag_link_waits_for_its_count_and_counts_itself():
+    x = torch.randn(floor.BLOCK, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    out = torch.full((3,), float("nan"), device=DEVICE)
+    counts = torch.tensor([3, 0], dtype=torch.int32, device=DEVICE)  # the previous: done
+    floor._flag_link_kernel[(3,)](x, out, counts[0], counts[1], 3, FIRST=False,
+                                  BLOCK=floor.BLOCK, ON_CPU=DEVICE == "cpu")  # fmt: skip
+    want = float(x.double().sum()) * 0.5 + torch.arange(3, dtype=torch.float64)
+    torch.testing.assert_close(out.cpu().double(), want, rtol=1e-5, atol=1e-4)
+    assert counts.tolist() == [3, 3]
+
+
 def test_barrier_rounds_in_one_program():
     # One program: every round reads the half the last round wrote and passes its own
     # barrier at once; the count must end at the number of rounds.
