@@ -17,6 +17,7 @@ import statistics
 import torch
 import triton
 import triton.language as tl
+from triton.testing import do_bench
 
 from lily.ops.launch import cdiv, pdl_launch, pow2
 from lily.ops.qgemv import pdl_wait
@@ -193,22 +194,12 @@ def main() -> None:
             row = {"shape": name, "stamps": "fine" if fine else "coarse",
                    "weights": "one (L2)" if one else "distinct (HBM)", "calls": len(ws),
                    "programs": programs(n, k), **analyse(trs, fine)}  # fmt: skip
-            row["graph_us_per_call"] = round(_per_call(graph, len(ws)), 3)
+            us = do_bench(graph.replay, warmup=10, rep=60, return_mode="median") * 1e3
+            row["graph_us_per_call"] = round(us / len(ws), 3)
             results.append(row)
             print(row, flush=True)
         del ws
     write_json(args.out, args, results=results)
-
-
-def _per_call(graph, n_calls: int) -> float:
-    """Device time of one call in the replayed graph (us)."""
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    ev[0].record()
-    for _ in range(20):
-        graph.replay()
-    ev[1].record()
-    torch.cuda.synchronize()
-    return ev[0].elapsed_time(ev[1]) * 1e3 / 20 / n_calls
 
 
 if __name__ == "__main__":

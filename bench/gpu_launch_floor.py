@@ -14,12 +14,12 @@ then polls): what a whole-step design would pay per dependency instead of a laun
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.testing import do_bench
 
 BLOCK = 1024  # fp32 values each program reads from the previous kernel's output (4 KB)
 
@@ -79,28 +79,13 @@ def _barrier_kernel(p_count, p_buf, ROUNDS: tl.constexpr, BLOCK: tl.constexpr,
                 seen = tl.atomic_add(p_count, 0, sem="acquire")
 
 
-def graph_us(fn, n_calls: int, reps: int = 7) -> float:
+def graph_us(fn, n_calls: int) -> float:
     """Median device time of one call inside a captured graph of the calls ``fn`` makes."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-        ev[0].record()
-        for _ in range(10):
-            g.replay()
-        ev[1].record()
-        torch.cuda.synchronize()
-        times.append(ev[0].elapsed_time(ev[1]) * 1e3 / 10 / n_calls)
-    return statistics.median(times)
+    from lily.bench.measure import capture_graph
+
+    return do_bench(capture_graph(fn)[0].replay, warmup=10, rep=60, return_mode="median") * (
+        1e3 / n_calls
+    )
 
 
 def chain_rows(n_kernels: int) -> list[dict]:
