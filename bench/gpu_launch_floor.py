@@ -21,6 +21,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.testing import do_bench
 
+from lily.bench.measure import capture_graph
+
 BLOCK = 1024  # fp32 values each program reads from the previous kernel's output (4 KB)
 
 
@@ -81,8 +83,6 @@ def _barrier_kernel(p_count, p_buf, ROUNDS: tl.constexpr, BLOCK: tl.constexpr,
 
 def graph_us(fn, n_calls: int) -> float:
     """Median device time of one call inside a captured graph of the calls ``fn`` makes."""
-    from lily.bench.measure import capture_graph
-
     return do_bench(capture_graph(fn)[0].replay, warmup=10, rep=60, return_mode="median") * (
         1e3 / n_calls
     )
