@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import importlib
 import inspect
-import statistics
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -28,21 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 import lily.runtime.gpu_runner as runner_mod
 from bench.full_model import full_params, kernel_engine, write_json
 from bench.gpu_profile import kind_of
-from lily.bench.measure import pseudo_text_ids
-
-
-def step_ms(graph, n: int = 64, reps: int = 5) -> float:
-    """Median device time of one replay over ``reps`` runs of ``n`` back-to-back replays."""
-    times = []
-    for _ in range(reps):
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-        ev[0].record()
-        for _ in range(n):
-            graph.replay()
-        ev[1].record()
-        torch.cuda.synchronize()
-        times.append(ev[0].elapsed_time(ev[1]) / n)
-    return statistics.median(times)
+from lily.bench.measure import pseudo_text_ids, replay_ms
 
 
 def timeline(graph) -> dict:
@@ -136,7 +121,7 @@ def main() -> None:
                 for _ in range(3):  # capture, then settle
                     runner.decode(tok, st)
                 graph, _ = runner._graph(st, st.length)
-                ms = step_ms(graph)
+                ms = replay_ms(graph)
                 tl = timeline(graph)
             row = {"context": ctx, "variant": name, "step_ms": round(ms, 4),
                    "tok_per_s": round(1e3 / ms, 1), **tl}  # fmt: skip

@@ -17,8 +17,8 @@ import statistics
 import torch
 import triton
 import triton.language as tl
-from triton.testing import do_bench
 
+from lily.bench.measure import capture_graph, replay_ms
 from lily.ops.launch import cdiv, pdl_launch, pow2
 from lily.ops.qgemv import pdl_wait
 from lily.ops.qgemv_mma import (
@@ -163,7 +163,6 @@ def analyse(traces: list[torch.Tensor], fine: bool) -> dict:
 def main() -> None:
     from bench.full_model import write_json  # here: the tests load this file by its path
     from bench.gpu_linear_kernels import norm_weight, weight_copies
-    from lily.bench.measure import capture_graph
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results/gemv_trace.json")
@@ -194,7 +193,7 @@ def main() -> None:
             row = {"shape": name, "stamps": "fine" if fine else "coarse",
                    "weights": "one (L2)" if one else "distinct (HBM)", "calls": len(ws),
                    "programs": programs(n, k), **analyse(trs, fine)}  # fmt: skip
-            us = do_bench(graph.replay, warmup=10, rep=60, return_mode="median") * 1e3
+            us = replay_ms(graph, n=20) * 1e3
             row["graph_us_per_call"] = round(us / len(ws), 3)
             results.append(row)
             print(row, flush=True)

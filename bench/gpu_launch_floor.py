@@ -19,9 +19,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-from triton.testing import do_bench
 
-from lily.bench.measure import capture_graph
+from lily.bench.measure import capture_graph, replay_ms
 
 BLOCK = 1024  # fp32 values each program reads from the previous kernel's output (4 KB)
 
@@ -83,9 +82,7 @@ def _barrier_kernel(p_count, p_buf, ROUNDS: tl.constexpr, BLOCK: tl.constexpr,
 
 def graph_us(fn, n_calls: int) -> float:
     """Median device time of one call inside a captured graph of the calls ``fn`` makes."""
-    return do_bench(capture_graph(fn)[0].replay, warmup=10, rep=60, return_mode="median") * (
-        1e3 / n_calls
-    )
+    return replay_ms(capture_graph(fn)[0], n=10, reps=7) * 1e3 / n_calls
 
 
 def chain_rows(n_kernels: int) -> list[dict]:
