@@ -695,7 +695,8 @@ def pdl_forced():
 def compile_report(only: set[str], sass_dir: str | None = None) -> list[dict]:
     """No GPU: compile every configuration the bench times (in the sections of ``only``)
     for sm_90 and read what ptxas gave each kernel (registers, stack bytes = spills, warpgroup
-    and warp MMAs and the instruction count of the SASS; qgemv_mma also per 4-bit code).
+    and warp MMAs and the instruction count of the SASS, with PDL the part after the wait;
+    qgemv_mma also per 4-bit code).
 
     The public functions run on CPU tensors of the real shapes with every kernel launch
     intercepted, so each kernel sees the arguments its launcher passes (ON_CPU forced off).
@@ -898,7 +899,7 @@ def main() -> None:
     if args.compile_only:
         rows = compile_report(set(args.only.split(",")), args.sass_dir)
         print(table(rows, ["kernel", "config", "num_warps", "num_stages", "regs", "stack",
-                           "smem", "wgmma", "hmma", "instr", "movs",
+                           "smem", "wgmma", "hmma", "instr", "movs", "after_wait",
                            "instr_per_code"]))  # fmt: skip
         with open(args.out, "w") as f:
             json.dump({"compile_only": rows}, f, indent=1)
