@@ -64,20 +64,26 @@ def _traced_gemv_kernel(
     GROUP: tl.constexpr, NG: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
     W: tl.constexpr, TERMS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ON_CPU: tl.constexpr, PDL: tl.constexpr,
-    FINE: tl.constexpr,
+    FINE: tl.constexpr, X_FIRST: tl.constexpr,
 ):  # fmt: skip
     # lily.ops.qgemv_mma._qgemv_mma_kernel with the stamps. FINE adds three inside the part
     # after the wait, each after a block-wide sum of what it waits for (their barriers cost
-    # time of their own): x ready, the MMA operand ready, the dot done.
+    # time of their own): x ready, the MMA operand ready, the dot done. X_FIRST loads x (and
+    # norms it) before the weights and the wait: wrong in a real chain (x is the previous
+    # kernel's output), right in this harness (x is constant); the bound of an x load that
+    # does not queue behind the weights'.
     i_n = tl.program_id(0)
     p_row = p_t + i_n * 8  # the stamps, then the SM
     tl.store(p_row, _stamp(i_n, ON_CPU))
+    if X_FIRST:
+        b_xn = mma_x_row(p_x, p_nw, eps, NG, G, GROUP, HAS_NORM, EVEN_K, ON_CPU)
     b_w, b_s, b_b = mma_tile(p_qw, p_s, p_b, p_qw, i_n * BLOCK_N, N, stride_qn, stride_sn, 0, 0,
                              GROUP, NG, G, BLOCK_N, W, 0, EVEN_N, EVEN_K)  # fmt: skip
     tl.store(p_row + 1, _stamp(i_n, ON_CPU))
     pdl_wait(PDL)
     tl.store(p_row + 2, _stamp(i_n, ON_CPU))
-    b_xn = mma_x_row(p_x, p_nw, eps, NG, G, GROUP, HAS_NORM, EVEN_K, ON_CPU)
+    if not X_FIRST:
+        b_xn = mma_x_row(p_x, p_nw, eps, NG, G, GROUP, HAS_NORM, EVEN_K, ON_CPU)
     if FINE:
         tl.store(p_row + 3, _stamp(tl.sum(b_xn, axis=0).to(tl.int32, bitcast=True), ON_CPU))
     b_xb, b_xs = mma_x(b_xn, G, GROUP, W, TERMS, ON_CPU)
@@ -96,10 +102,11 @@ def _traced_gemv_kernel(
 
 
 def traced_gemv(x, w, trace, *, norm_weight=None, residual=None, eps=1e-6, pdl=False,
-                fine=False):  # fmt: skip
+                fine=False, x_first=False):  # fmt: skip
     """``qgemv_mma`` (one row, table tile) writing (programs, STAMPS + 1) int64 into
     ``trace``: the stamps (the three FINE ones stay as they were unless ``fine``), then the
-    SM id. Returns the output (N,)."""
+    SM id; ``x_first``: x loaded before the weights and the wait (only where x is constant).
+    Returns the output (N,)."""
     n, k = w.shape
     cfg = mma_gemv_config(n, k, w.group_size)
     ng = k // w.group_size
@@ -118,6 +125,7 @@ def traced_gemv(x, w, trace, *, norm_weight=None, residual=None, eps=1e-6, pdl=F
         GROUP=w.group_size, NG=ng, G=g, BLOCK_N=cfg.block_n, W=warps, TERMS=_TERMS[x.dtype],
         HAS_NORM=norm_weight is not None, HAS_RES=residual is not None,
         EVEN_N=n % cfg.block_n == 0, EVEN_K=g == ng, ON_CPU=on_cpu, PDL=pdl, FINE=fine,
+        X_FIRST=x_first,
         num_warps=warps,
         **pdl_launch(pdl), **regs,
     )  # fmt: skip
@@ -178,20 +186,25 @@ def main() -> None:
                for _ in ws]  # fmt: skip
         kw = {"norm_weight": nw} if has_norm else {}
 
-        for fine, one in ((False, False), (True, False), (False, True)):
+        for fine, one, x_first in ((False, False, False), (True, False, False),
+                                   (False, True, False), (False, False, True),
+                                   (True, False, True)):  # fmt: skip
             over = [ws[0]] * len(ws) if one else ws  # one weight: from L2
 
-            def calls(ws=over, xs=xs, rs=rs, trs=trs, kw=kw, has_res=has_res, fine=fine):
+            def calls(ws=over, xs=xs, rs=rs, trs=trs, kw=kw, has_res=has_res, fine=fine,
+                      x_first=x_first):  # fmt: skip
                 for w, x, r, t in zip(ws, xs, rs, trs, strict=True):
                     traced_gemv(x, w, t, residual=r if has_res else None, pdl=True, fine=fine,
-                                **kw)  # fmt: skip
+                                x_first=x_first, **kw)  # fmt: skip
 
             graph, _ = capture_graph(calls)
             for _ in range(5):
                 graph.replay()
             torch.cuda.synchronize()
             row = {"shape": name, "stamps": "fine" if fine else "coarse",
-                   "weights": "one (L2)" if one else "distinct (HBM)", "calls": len(ws),
+                   "weights": "one (L2)" if one else "distinct (HBM)",
+                   "x": "before the wait (harness only)" if x_first else "after the wait",
+                   "calls": len(ws),
                    "programs": programs(n, k), **analyse(trs, fine)}  # fmt: skip
             us = replay_ms(graph, n=20) * 1e3
             row["graph_us_per_call"] = round(us / len(ws), 3)

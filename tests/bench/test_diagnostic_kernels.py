@@ -74,6 +74,8 @@ def test_traced_gemv_matches_the_reference_and_fills_its_trace():
     t = torch.full((trace.programs(70, 192), trace.STAMPS + 1), -1, dtype=torch.int64,
                    device=DEVICE)  # fmt: skip
     y = trace.traced_gemv(x, w, t, norm_weight=nw, residual=res, fine=True)
+    y_first = trace.traced_gemv(x, w, t.clone(), norm_weight=nw, residual=res, x_first=True)
+    assert torch.equal(y, y_first), "where x is loaded must not change the result"
     h = torch.nn.functional.rms_norm(x.float(), (192,), nw.float(), 1e-6).bfloat16()
     assert rel_err(y, ref_qlinear(h, w, res)) < 5e-3
     assert (t >= 0).all(), "every program writes its row"
