@@ -17,7 +17,6 @@ import statistics
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lily.bench.measure import capture_graph, replay_ms
 from lily.ops.launch import cdiv, pdl_launch, pow2
@@ -31,7 +30,7 @@ from lily.ops.qgemv_mma import (
     mma_x,
     mma_x_row,
 )
-from lily.ops.rmsnorm import cast_to, norm_x
+from lily.ops.rmsnorm import cast_to
 
 # entry, loads issued, past the wait, (FINE: x ready, MMA operand ready, dot done), stored
 STAMPS = 7
@@ -61,21 +60,18 @@ def _smid(dep, ON_CPU: tl.constexpr):
 
 @triton.jit
 def _traced_gemv_kernel(
-    p_x, x_desc, p_qw, p_s, p_b, p_nw, p_res, p_out, p_t, N, stride_qn, stride_sn, pair_mask,
-    eps,
+    p_x, p_qw, p_s, p_b, p_nw, p_res, p_out, p_t, N, stride_qn, stride_sn, pair_mask, eps,
     GROUP: tl.constexpr, NG: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
     W: tl.constexpr, TERMS: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ON_CPU: tl.constexpr, PDL: tl.constexpr,
-    FINE: tl.constexpr, X_FIRST: tl.constexpr, X_TMA: tl.constexpr,
+    FINE: tl.constexpr, X_FIRST: tl.constexpr,
 ):  # fmt: skip
     # lily.ops.qgemv_mma._qgemv_mma_kernel with the stamps. FINE adds three inside the part
     # after the wait, each after a block-wide sum of what it waits for (their barriers cost
     # time of their own): x ready, the MMA operand ready, the dot done. X_FIRST loads x (and
     # norms it) before the weights and the wait: wrong in a real chain (x is the previous
     # kernel's output), right in this harness (x is constant); the bound of an x load that
-    # does not queue behind the weights'. X_TMA loads x after the wait through the tensor
-    # memory accelerator (x_desc: x as (K / 128, 128)) instead of the load units the
-    # weights' loads fill (the norm weight, a constant, before the wait).
+    # does not queue behind the weights'.
     i_n = tl.program_id(0)
     p_row = p_t + i_n * 8  # the stamps, then the SM
     tl.store(p_row, _stamp(i_n, ON_CPU))
@@ -83,20 +79,10 @@ def _traced_gemv_kernel(
         b_xn = mma_x_row(p_x, p_nw, eps, NG, G, GROUP, HAS_NORM, EVEN_K, ON_CPU)
     b_w, b_s, b_b = mma_tile(p_qw, p_s, p_b, p_qw, i_n * BLOCK_N, N, stride_qn, stride_sn, 0, 0,
                              GROUP, NG, G, BLOCK_N, W, 0, EVEN_N, EVEN_K)  # fmt: skip
-    if X_TMA and HAS_NORM:
-        b_nw = tl.load(p_nw + tl.arange(0, G * GROUP))
     tl.store(p_row + 1, _stamp(i_n, ON_CPU))
     pdl_wait(PDL)
     tl.store(p_row + 2, _stamp(i_n, ON_CPU))
-    if X_TMA:
-        b_x = tl.reshape(x_desc.load([0, 0]), (G * GROUP,))
-        if HAS_NORM:  # mma_x_row's norm (K = G * GROUP here)
-            b_xf = b_x.to(tl.float32)
-            rstd = 1.0 / tl.sqrt_rn(tl.sum(b_xf * b_xf, axis=0) / (G * GROUP) + eps)
-            b_xn = norm_x(b_x, b_nw, rstd, True, ON_CPU)
-        else:
-            b_xn = b_x.to(tl.float32)
-    elif not X_FIRST:
+    if not X_FIRST:
         b_xn = mma_x_row(p_x, p_nw, eps, NG, G, GROUP, HAS_NORM, EVEN_K, ON_CPU)
     if FINE:
         tl.store(p_row + 3, _stamp(tl.sum(b_xn, axis=0).to(tl.int32, bitcast=True), ON_CPU))
@@ -116,11 +102,10 @@ def _traced_gemv_kernel(
 
 
 def traced_gemv(x, w, trace, *, norm_weight=None, residual=None, eps=1e-6, pdl=False,
-                fine=False, x_first=False, x_tma=False):  # fmt: skip
+                fine=False, x_first=False):  # fmt: skip
     """``qgemv_mma`` (one row, table tile) writing (programs, STAMPS + 1) int64 into
     ``trace``: the stamps (the three FINE ones stay as they were unless ``fine``), then the
-    SM id; ``x_first``: x loaded before the weights and the wait (only where x is constant);
-    ``x_tma``: x loaded after the wait by TMA (K a multiple of 128 and whole groups).
+    SM id; ``x_first``: x loaded before the weights and the wait (only where x is constant).
     Returns the output (N,)."""
     n, k = w.shape
     cfg = mma_gemv_config(n, k, w.group_size)
@@ -133,17 +118,14 @@ def traced_gemv(x, w, trace, *, norm_weight=None, residual=None, eps=1e-6, pdl=F
     on_cpu = x.device.type == "cpu"
     pdl = pdl and not on_cpu
     regs = {"maxnreg": cfg.maxnreg} if cfg.maxnreg and not on_cpu else {}
-    # the kernel takes a descriptor either way: x's with x_tma, else a placeholder
-    src = x.view(-1, 128) if x_tma else torch.zeros(1, 128, dtype=x.dtype, device=x.device)
-    desc = TensorDescriptor.from_tensor(src, list(src.shape))
     _traced_gemv_kernel[(grid,)](
-        x, desc, w.qweight, w.scales, w.biases, norm_weight if norm_weight is not None else x,
+        x, w.qweight, w.scales, w.biases, norm_weight if norm_weight is not None else x,
         residual if residual is not None else out, out, trace, n, w.qweight.stride(0),
         w.scales.stride(0), _PAIR_MASK, float(eps),
         GROUP=w.group_size, NG=ng, G=g, BLOCK_N=cfg.block_n, W=warps, TERMS=_TERMS[x.dtype],
         HAS_NORM=norm_weight is not None, HAS_RES=residual is not None,
         EVEN_N=n % cfg.block_n == 0, EVEN_K=g == ng, ON_CPU=on_cpu, PDL=pdl, FINE=fine,
-        X_FIRST=x_first, X_TMA=x_tma,
+        X_FIRST=x_first,
         num_warps=warps,
         **pdl_launch(pdl), **regs,
     )  # fmt: skip
@@ -204,17 +186,16 @@ def main() -> None:
                for _ in ws]  # fmt: skip
         kw = {"norm_weight": nw} if has_norm else {}
 
-        for fine, one, x_at in ((False, False, "wait"), (True, False, "wait"),
-                                (False, True, "wait"), (False, False, "first"),
-                                (True, False, "first"), (False, False, "tma"),
-                                (True, False, "tma")):  # fmt: skip
+        for fine, one, x_first in ((False, False, False), (True, False, False),
+                                   (False, True, False), (False, False, True),
+                                   (True, False, True)):  # fmt: skip
             over = [ws[0]] * len(ws) if one else ws  # one weight: from L2
 
             def calls(ws=over, xs=xs, rs=rs, trs=trs, kw=kw, has_res=has_res, fine=fine,
-                      x_at=x_at):  # fmt: skip
+                      x_first=x_first):  # fmt: skip
                 for w, x, r, t in zip(ws, xs, rs, trs, strict=True):
                     traced_gemv(x, w, t, residual=r if has_res else None, pdl=True, fine=fine,
-                                x_first=x_at == "first", x_tma=x_at == "tma", **kw)  # fmt: skip
+                                x_first=x_first, **kw)  # fmt: skip
 
             graph, _ = capture_graph(calls)
             for _ in range(5):
@@ -222,8 +203,7 @@ def main() -> None:
             torch.cuda.synchronize()
             row = {"shape": name, "stamps": "fine" if fine else "coarse",
                    "weights": "one (L2)" if one else "distinct (HBM)",
-                   "x": {"wait": "after the wait", "first": "before the wait (harness only)",
-                         "tma": "after the wait, by TMA"}[x_at],
+                   "x": "before the wait (harness only)" if x_first else "after the wait",
                    "calls": len(ws),
                    "programs": programs(n, k), **analyse(trs, fine)}  # fmt: skip
             us = replay_ms(graph, n=20) * 1e3
