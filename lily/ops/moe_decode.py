@@ -45,7 +45,7 @@ from lily.ops.launch import (
     use_pdl,
 )
 from lily.ops.moe_decode_mma import mma_fits, moe_mma_experts
-from lily.ops.moe_decode_parts import down_early, down_finish, topk_rows
+from lily.ops.moe_decode_parts import down_early, down_finish, slot_expert
 from lily.ops.norm_rope import sigmoid
 from lily.ops.qgemv import _as_f, gemv_block, gemv_tile, load_words, load_x, pdl_wait
 from lily.ops.rmsnorm import check_norm, norm_meta, norm_x
@@ -146,19 +146,12 @@ def _moe_gate_up_kernel(
     pid = tl.program_id(0)
     slot = pid // N_BLOCKS
     i_n = pid % N_BLOCKS
-    o_e = tl.arange(0, BLOCK_E)
-    o_k = tl.arange(0, BLOCK_K)
     # x first: its loads fly while the top-k runs (the weights must wait for the expert id).
     # NOTE: with PDL, x may be read before pdl_wait: it was written before the router kernel
     # ran, and this kernel starts only once every router program has passed its own wait.
     b_x, b_nw = load_x(p_x, p_nw, 0, D // GROUP, True, HAS_NORM, BITS, GROUP, BLOCK_G)
     pdl_wait(PDL)
-    b_l = tl.load(p_logits + o_e, mask=o_e < E, other=0.0)
-    ids, wts = topk_rows(b_l[None, :], E, TOP_K, BLOCK_K)
-    if pid == 0:
-        tl.store(p_ids + o_k[None, :], ids, mask=(o_k < TOP_K)[None, :])
-        tl.store(p_wts + o_k[None, :], wts, mask=(o_k < TOP_K)[None, :])
-    e64 = tl.sum(tl.sum(tl.where(o_k[None, :] == slot, ids, 0), axis=1), axis=0).to(tl.int64)
+    e64 = slot_expert(p_logits, p_ids, p_wts, E, slot, pid, TOP_K, BLOCK_K, BLOCK_E)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < I_E
     b_gw, b_gs, b_gb, b_uw, b_us, b_ub = _gate_up_words(

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from lily.ops.launch import cdiv, launched, mask_lo, pdl_launch, pow2
-from lily.ops.moe_decode_parts import down_early, down_finish, topk_rows
+from lily.ops.moe_decode_parts import down_early, down_finish, slot_expert
 from lily.ops.norm_rope import sigmoid
 from lily.ops.qgemv import pdl_wait
 from lily.ops.qgemv_mma import _PAIR_MASK, _TERMS, mma_dot, mma_tile, mma_x, mma_x_row
@@ -37,19 +37,12 @@ def _moe_gate_up_mma_kernel(
     pid = tl.program_id(0)
     slot = pid // N_BLOCKS
     row0 = (pid % N_BLOCKS) * BLOCK_N
-    o_e = tl.arange(0, BLOCK_E)
-    o_k = tl.arange(0, BLOCK_K)
     # x and its MMA operand before the wait (x was written before the router kernel ran:
     # see moe_decode._moe_gate_up_kernel's note); the weights must wait for the expert id.
     b_xn = mma_x_row(p_x, p_nw, eps, NG, G, GROUP, HAS_NORM, EVEN_K, ON_CPU)
     b_xb, b_xs = mma_x(b_xn, G, GROUP, W, TERMS, ON_CPU)
     pdl_wait(PDL)
-    b_l = tl.load(p_logits + o_e, mask=o_e < E, other=0.0)
-    ids, wts = topk_rows(b_l[None, :], E, TOP_K, BLOCK_K)
-    if pid == 0:
-        tl.store(p_ids + o_k[None, :], ids, mask=(o_k < TOP_K)[None, :])
-        tl.store(p_wts + o_k[None, :], wts, mask=(o_k < TOP_K)[None, :])
-    e64 = tl.sum(tl.sum(tl.where(o_k[None, :] == slot, ids, 0), axis=1), axis=0).to(tl.int64)
+    e64 = slot_expert(p_logits, p_ids, p_wts, E, slot, pid, TOP_K, BLOCK_K, BLOCK_E)
     # NOTE: experts start on 16 bytes (checked by the launcher), so the words' vector loads
     # stay (see mma_tile)
     o_we = tl.multiple_of(e64 * stride_we, 4)

@@ -1,6 +1,6 @@
 """Triton pieces the MoE decode kernels share, in their FMA and tensor-core forms (and the
-prefill's routing): the top-k of the router logits, and the down launch's early loads and
-epilogue (the gated shared expert and the residual)."""
+prefill's routing): the top-k of the router logits and a gate/up program's routing, and the
+down launch's early loads and epilogue (the gated shared expert and the residual)."""
 
 from __future__ import annotations
 
@@ -46,6 +46,21 @@ def topk_rows(b_l, E, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):
     b_max = tl.max(tl.where(m_k, vals, float("-inf")), axis=1)
     b_p = tl.where(m_k, tl.exp(vals - b_max[:, None]), 0.0)
     return tl.where(m_k, ids, 0), b_p / tl.sum(b_p, axis=1)[:, None]
+
+
+@triton.jit
+def slot_expert(p_logits, p_ids, p_wts, E, slot, pid, TOP_K: tl.constexpr,
+                BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
+    """A gate/up program's routing, after its PDL wait: the top-k of the E logits, written
+    to p_ids / p_wts by program 0 for the down launch; returns this slot's expert (int64)."""
+    o_e = tl.arange(0, BLOCK_E)
+    o_k = tl.arange(0, BLOCK_K)
+    b_l = tl.load(p_logits + o_e, mask=o_e < E, other=0.0)
+    ids, wts = topk_rows(b_l[None, :], E, TOP_K, BLOCK_K)
+    if pid == 0:
+        tl.store(p_ids + o_k[None, :], ids, mask=(o_k < TOP_K)[None, :])
+        tl.store(p_wts + o_k[None, :], wts, mask=(o_k < TOP_K)[None, :])
+    return tl.sum(tl.sum(tl.where(o_k[None, :] == slot, ids, 0), axis=1), axis=0).to(tl.int64)
 
 
 @triton.jit
