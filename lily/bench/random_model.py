@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from lily.bench import conditioned
+from lily.bench.conditioned import Recipe
 from lily.config import EngineConfig, ModelConfig
 from lily.quant import QuantWeight, Weight
 from lily.weights import canonical_shapes, expected_tensors
@@ -143,6 +145,41 @@ def skewed_params(
             for k, w in params.items()}  # fmt: skip
 
 
+def random_tensor(
+    cfg: ModelConfig,
+    name: str,
+    shape: tuple[int, ...],
+    bits: int | None,
+    device: torch.device,
+    seed: int,
+    dtype: torch.dtype,
+    recipe: Recipe | None,
+    embed: QuantWeight | None = None,
+    key: str | None = None,
+) -> Weight:
+    """One canonical parameter, from its own generator (seed, name): the same bytes
+    whichever order or process builds it. ``bits`` None: dense (in ``dtype``; A_log fp32).
+    ``recipe`` None: the plain init (every weight ~normal(0, 0.02)); else the conditioned
+    model (lily/bench/conditioned.py). Its lm_head needs the embedding (rebuilt if not
+    given). ``key`` seeds the generator instead of ``name`` (same draws, other layer)."""
+    g = _generator(device, seed, key or name)
+    if recipe is None or device.type == "meta":
+        if bits is None:
+            return _random_dense(name, shape, dtype, device, g)
+        return _random_quant(shape, bits, device, g)
+    if bits is None:
+        t = conditioned.dense(cfg, recipe, name, shape, device, g)
+        return t if name.endswith("A_log") else t.to(dtype)
+    if name == "embed_tokens":
+        return conditioned.embedding(cfg, recipe, bits, device, g)
+    if name == "lm_head":
+        if embed is None:
+            embed = conditioned.embedding(cfg, recipe, bits, device,
+                                          _generator(device, seed, "embed_tokens"))  # fmt: skip
+        return conditioned.lm_head(cfg, recipe, bits, device, g, embed)
+    return conditioned.layer_quant(cfg, recipe, name, shape, bits, device, g)
+
+
 def random_params(
     cfg: ModelConfig,
     device: str | torch.device,
@@ -150,11 +187,14 @@ def random_params(
     seed: int = 0,
     router_skew: float = 0.0,
     dtype: torch.dtype = torch.bfloat16,
+    recipe: Recipe | None = conditioned.DEFAULT,
 ) -> dict[str, Weight]:
     """Canonical parameters of a random model in MLX layout, generated on ``device``.
 
     ``dtype`` is that of dense tensors (norms, conv, dt_bias; A_log stays fp32), as
     ``load_params`` gives them; scales and biases are bf16 as MLX stores them.
+    ``recipe``: the conditioned model's statistics (default), or None for the plain init
+    (uniform random weights: rounding-chaotic at full size, docs/notes/fidelity.md).
     ``router_skew`` > 0 makes ``hot_experts`` favoured (see ``skew_router``). On the
     ``meta`` device nothing is allocated: shapes and dtypes only.
     """
@@ -165,11 +205,9 @@ def random_params(
     bits = packing(cfg, layout)
     params: dict[str, Weight] = {}
     for name, shape in canonical_shapes(cfg).items():
-        g = _generator(device, seed, name)
-        if bits[name] is None:
-            params[name] = _random_dense(name, shape, dtype, device, g)
-        else:
-            params[name] = _random_quant(shape, bits[name], device, g)
+        embed = params.get("embed_tokens") if name == "lm_head" else None
+        params[name] = random_tensor(cfg, name, shape, bits[name], device, seed, dtype,
+                                     recipe, embed)  # fmt: skip
         if router_skew and name.endswith("moe.router"):
             params[name] = skew_router(params[name], router_skew, hot)
     if cfg.tie_word_embeddings:

@@ -20,11 +20,42 @@ class Model:
     caller decides chunking and what to keep.
     """
 
-    def __init__(self, cfg: ModelConfig, params: dict[str, Weight], dtype: torch.dtype):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: dict[str, Weight],
+        dtype: torch.dtype,
+        kernels: bool | None = None,
+    ):
         self.cfg = cfg
         self.params = params
         self.dtype = dtype
         self.device = params["norm"].device
+        # NOTE: accepted and stored only; this is the reference path. The kernel layers
+        # behind the same three methods (embed, layer, head) come with the decoder-stack
+        # refactor. None means "kernels iff on CUDA".
+        self.kernels = self.device.type == "cuda" if kernels is None else kernels
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings x (T, D) in the compute dtype for ids (T,)."""
+        return embedding(ids, self.params["embed_tokens"], self.dtype)
+
+    def layer(self, i: int, x: torch.Tensor, state, start: int) -> torch.Tensor:
+        """Decoder layer ``i`` (both norms, mixer, MoE, both residuals) on x (T, D) at
+        positions [start, start + T); advances only layer i's part of ``state``."""
+        cfg, p = self.cfg, self.params
+        pre = f"layers.{i}."
+        h = rms_norm(x, p[pre + "input_norm"], cfg.rms_norm_eps)
+        if cfg.layer_types[i] == "linear_attention":
+            x = x + deltanet_layer(p, pre + "dn.", h, state.deltanet[i], cfg)
+        else:
+            x = x + attention_layer(p, pre + "attn.", h, state.kv[i], start, cfg)
+        h = rms_norm(x, p[pre + "post_norm"], cfg.rms_norm_eps)
+        return x + moe_layer(p, pre + "moe.", h, cfg)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 logits (T, V) of the last layer's output x (T, D): final norm, lm_head."""
+        return self.logits(rms_norm(x, self.params["norm"], self.cfg.rms_norm_eps))
 
     def hidden(self, ids: torch.Tensor, state) -> torch.Tensor:
         """Final-norm hidden states (T, D) for ``ids`` (T,), advancing ``state``."""
@@ -35,16 +66,9 @@ class Model:
                 f"context of {start + ids.shape[0]} tokens exceeds the limit of {state.limit}"
             )
         state.busy = True
-        x = embedding(ids, p["embed_tokens"], self.dtype)
-        for i, kind in enumerate(cfg.layer_types):
-            pre = f"layers.{i}."
-            h = rms_norm(x, p[pre + "input_norm"], cfg.rms_norm_eps)
-            if kind == "linear_attention":
-                x = x + deltanet_layer(p, pre + "dn.", h, state.deltanet[i], cfg)
-            else:
-                x = x + attention_layer(p, pre + "attn.", h, state.kv[i], start, cfg)
-            h = rms_norm(x, p[pre + "post_norm"], cfg.rms_norm_eps)
-            x = x + moe_layer(p, pre + "moe.", h, cfg)
+        x = self.embed(ids)
+        for i in range(cfg.num_hidden_layers):
+            x = self.layer(i, x, state, start)
         state.length = start + ids.shape[0]
         state.tokens.extend(ids.tolist())
         state.busy = False
