@@ -40,7 +40,7 @@ _SILU_RMS = 0.5968  # rms of silu(z), z ~ N(0, 1)
 _SIGMOID_RMS = 0.5417  # rms of sigmoid(z), z ~ N(0, 1)
 _BIG = (2.0, 4.0)  # a token's k routed values, in code units
 _SMALL = 0.15  # its other routed values (they quantize to +-0.27 units)
-_ROUTER_NOISE = 0.3  # router logit std of the dense part, in units; router skew 2: ~3x share
+_ROUTER_NOISE = 0.3  # router logit std of the dense part, in units; skew 2: ~2.5x share
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ import torch
 
 from lily.bench import conditioned
 from lily.bench.compare import metrics
+from lily.bench.consistency import prefill_context, upcast
 from lily.bench.fast_context import fast_deltanet
 from lily.bench.layerwise import LayerCheck
 from lily.bench.measure import expert_load, pseudo_text_ids
@@ -74,12 +75,6 @@ def shared_params(cfg: ModelConfig, device, recipe, share: int, seed: int = 0) -
     return out
 
 
-def upcast(params: dict, dtype: torch.dtype) -> dict:
-    """The same weights with dense tensors in ``dtype`` (packed ones shared; A_log fp32)."""
-    return {k: v.to(dtype) if isinstance(v, torch.Tensor) and not k.endswith("A_log") else v
-            for k, v in params.items()}  # fmt: skip
-
-
 @contextlib.contextmanager
 def _recording(log: list):
     """Every reference ``route`` call's (weights, ids, logits) appended to ``log``; every
@@ -110,13 +105,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def _prefill(model: Model, state, ids: list[int], chunk: int) -> None:
-    with torch.inference_mode(), fast_deltanet():
-        for i in range(0, len(ids), chunk):
-            t = torch.tensor(ids[i : i + chunk], dtype=torch.long, device=model.device)
-            model.hidden(t, state)  # no logits: the context's are never compared
-
-
 @torch.inference_mode()
 def study(cfg, params, context: int, positions: int, seed: int = 0, chunk: int = 2048,
           load_tokens: int = 0) -> dict:  # fmt: skip
@@ -130,8 +118,8 @@ def study(cfg, params, context: int, positions: int, seed: int = 0, chunk: int =
     s32 = SessionState.new(cfg, dev, torch.float32, limit)
     s16 = SessionState.new(cfg, dev, torch.bfloat16, limit)
     t0 = time.perf_counter()
-    _prefill(m32, s32, ids[:context], chunk)
-    _prefill(m16, s16, ids[:context], chunk)
+    prefill_context(m32, s32, ids[:context])
+    prefill_context(m16, s16, ids[:context])
     t_ctx = time.perf_counter() - t0
     local = copy.deepcopy(s32)  # the layer-local check starts from the same fp32 state
 

@@ -2,11 +2,14 @@
 
 Speed does not depend on weight values, so benchmarks run a random model of the real shape
 (docs: shared/BENCH.md). ``random_params`` fills the canonical parameters
-(docs/CONTRACTS.md) on the device in seconds: random codes, bf16 scales and biases so every
-weight is about normal(0, 0.02), routers at 8 bits, group 64. Each tensor has its own
-generator seeded from (seed, name), so a worker process that builds the same model gets
-the same bytes. ``save_mlx_checkpoint`` writes those bytes to disk for MLX-LM and for
-timing a load; tensor names come from ``lily.weights.expected_tensors``.
+(docs/CONTRACTS.md) on the device in seconds, routers at 8 bits, group 64: by default the
+well-conditioned model of lily/bench/conditioned.py (bf16 agrees with fp32 through the
+40 layers, so full-size consistency checks mean something), or with ``recipe=None`` the
+plain init (random codes, every weight about normal(0, 0.02): rounding-chaotic at full
+size, docs/notes/fidelity.md). Each tensor has its own generator seeded from (seed,
+name), so a worker process on the same device builds the same bytes.
+``save_mlx_checkpoint`` writes those bytes to disk for MLX-LM and for timing a load;
+tensor names come from ``lily.weights.expected_tensors``.
 """
 
 from __future__ import annotations
@@ -123,7 +126,8 @@ def skew_router(w: Weight, skew: float, hot: list[int]) -> Weight:
     """A copy of router ``w`` (E, D) whose ``hot`` rows are scaled by ``1 + skew``.
 
     A larger row norm widens that expert's logit distribution, so it lands in the top-k
-    far more often (with skew 2, about 5x its even share): uneven groups as real routing.
+    far more often (with skew 2, about 5x its even share with the plain init's router,
+    about 2.5x with the conditioned model's): uneven groups as real routing.
     """
     f = 1.0 + skew
     if isinstance(w, QuantWeight):
