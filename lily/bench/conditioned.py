@@ -60,6 +60,7 @@ class Recipe:
     logit_std: float = 2.0  # standard deviation of the logits over the vocabulary
     logit_w_share: float = 0.65  # share of that variance from the layers' dims
     bigram: bool = True  # lm_head token groups = permuted embedding
+    slow_decay: bool = True  # DeltaNet dt in [1e-3, 0.1] (else softplus(N(1, 0.1)): ~1.3)
     exact_bf16: bool = True  # scales with few significant bits (exact dequantization)
 
 
@@ -313,6 +314,8 @@ def dense(cfg: ModelConfig, recipe: Recipe, name: str, shape, device, g) -> torc
     t = torch.empty(shape, dtype=torch.float32, device=device)
     if leaf == "A_log":
         return t.uniform_(1.0, 16.0, generator=g).log_()
+    if leaf == "dt_bias" and not recipe.slow_decay:
+        return t.normal_(1.0, 0.1, generator=g).bfloat16().float()
     if leaf == "dt_bias":  # softplus^-1 of dt log-uniform on [1e-3, 0.1]
         dt = t.uniform_(math.log(1e-3), math.log(0.1), generator=g).exp_()
         return (dt + torch.log(-torch.expm1(-dt))).bfloat16().float()

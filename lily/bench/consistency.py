@@ -42,7 +42,7 @@ def make_paths(cfg, params: dict, kernels: bool | None = None) -> tuple[object, 
     judge = Model(cfg, upcast(params, torch.float32), torch.float32, kernels=False)
     paths = {"bf16_reference": Model(cfg, upcast(params, torch.bfloat16), torch.bfloat16,
                                      kernels=False)}  # fmt: skip
-    if kernels if kernels is not None else dev.type == "cuda":
+    if dev.type == "cuda" if kernels is None else kernels:
         paths["kernels"] = Model(cfg, upcast(params, torch.bfloat16), torch.bfloat16,
                                  kernels=True)  # fmt: skip
     return judge, paths
@@ -122,17 +122,9 @@ def layer_table(out: dict) -> str:
 
 def parse_contexts(text: str) -> list[int]:
     """``"0,4K,32K"`` -> [0, 4096, 32768] (K = 1024)."""
-    out = []
-    for part in str(text).split(","):
-        s = part.strip().upper()
-        try:
-            n = int(s[:-1]) * 1024 if s.endswith("K") else int(s)
-        except ValueError:
-            raise ValueError(f"--context: {part.strip()!r} is not a token count") from None
-        if n < 0:
-            raise ValueError(f"--context: {n} must be >= 0")
-        out.append(n)
-    return sorted(set(out))
+    from lily.bench.driver import parse_lengths
+
+    return parse_lengths(str(text), "--context", least=0) or [0]
 
 
 class Ours:
