@@ -38,6 +38,7 @@ from lily.bench.consistency import (  # noqa: E402
     make_paths,
     parse_contexts,
     prefill_context,
+    run_layers,
     score_runner,
 )
 from lily.bench.layerwise import LayerCheck  # noqa: E402
@@ -58,14 +59,14 @@ def run_context(judge, paths, engine, ids: list[int], n: int, args) -> dict:
     st = SessionState.new(cfg, "cuda", torch.float32, limit)
     prefill_context(judge, st, ids[:n])
     out: dict = {"context": n, "fp32_context_s": time.perf_counter() - t0}
-    scored = torch.tensor(ids[n : n + p], device="cuda")
-    l32 = judge.forward(scored, copy.deepcopy(st), all_logits=True).cpu()
+    scored = ids[n : n + p]
+    l32 = run_layers(judge, copy.deepcopy(st), scored, logits=True).cpu()
     target = ids[n : n + p + 1]
     bf16 = paths["bf16_reference"]
     s16 = SessionState.new(cfg, "cuda", torch.bfloat16, limit)
     prefill_context(bf16, s16, ids[:n])
-    out["bf16_reference_vs_fp32"] = metrics(bf16.forward(scored, s16, all_logits=True).cpu(),
-                                            l32, target)  # fmt: skip
+    l16 = run_layers(bf16, s16, scored, logits=True).cpu()
+    out["bf16_reference_vs_fp32"] = metrics(l16, l32, target)
     _log(f"context {n}: bf16 reference {_short(out['bf16_reference_vs_fp32'])}")
     if engine is not None:
         t1 = time.perf_counter()

@@ -49,12 +49,25 @@ def make_paths(cfg, params: dict, kernels: bool | None = None) -> tuple[object, 
 
 
 @torch.inference_mode()
+def run_layers(model, state: SessionState, ids: list[int], logits: bool = False):
+    """Consume ``ids`` at ``state.length`` through ``model.embed``, every ``model.layer``
+    and (with ``logits``) ``model.head``: fp32 logits (T, V), else the last hidden (T, D)."""
+    start = state.length
+    if start + len(ids) > state.limit:
+        raise ValueError(f"context of {start + len(ids)} tokens exceeds {state.limit}")
+    x = model.embed(torch.tensor(ids, dtype=torch.long, device=model.device))
+    for i in range(model.cfg.num_hidden_layers):
+        x = model.layer(i, x, state, start)
+    state.length = start + len(ids)
+    state.tokens.extend(ids)
+    return model.head(x) if logits else x
+
+
 def prefill_context(model, state: SessionState, ids: list[int], fast: bool = True) -> None:
     """Consume ``ids`` (no logits), in chunks; DeltaNet by chunks with ``fast``."""
     with fast_deltanet() if fast else contextlib.nullcontext():
         for i in range(0, len(ids), CONTEXT_CHUNK):
-            t = torch.tensor(ids[i : i + CONTEXT_CHUNK], dtype=torch.long, device=model.device)
-            model.hidden(t, state)
+            run_layers(model, state, ids[i : i + CONTEXT_CHUNK])
 
 
 def layer_local(judge, paths: dict, ids: list[int], context: int, chunk: int, steps: int,
@@ -85,8 +98,7 @@ def score_model(model, ids: list[int], start: int, fast: bool = True) -> torch.T
     positions as one forward through the model's own code."""
     st = SessionState.new(model.cfg, model.device, model.dtype, len(ids))
     prefill_context(model, st, ids[:start], fast)
-    t = torch.tensor(ids[start:], dtype=torch.long, device=model.device)
-    return model.forward(t, st, all_logits=True).float().cpu()
+    return run_layers(model, st, ids[start:], logits=True).float().cpu()
 
 
 @torch.inference_mode()

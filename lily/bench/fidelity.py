@@ -132,17 +132,17 @@ def study(cfg, params, context: int, positions: int, seed: int = 0, chunk: int =
         log: list = []
         with _recording(log):
             y32 = m32.layer(i, x32, s32, context)
-        moe_norm = next(r[1] for r in log if r[0] == "moe")
         y16 = m16.layer(i, x16, s16, context)
         xn = x32.float().norm(dim=-1)
-        mix = (y32 - x32).float().norm(dim=-1).pow(2) - moe_norm.to(xn.device).pow(2)
-        layers.append({
-            "layer": i, "kind": kind, "residual_rms": (xn / cfg.hidden_size**0.5).mean().item(),
-            "compound_rel": _rel(y16.float(), y32),
-            "update_share": ((y32 - x32).float().norm(dim=-1) / xn).mean().item(),
-            "moe_share": (moe_norm.to(xn.device) / xn).mean().item(),
-            "mixer_share_approx": (mix.clamp_min(0).sqrt() / xn).mean().item(),
-        })  # fmt: skip
+        row = {"layer": i, "kind": kind, "residual_rms": (xn / cfg.hidden_size**0.5).mean().item(),
+               "compound_rel": _rel(y16.float(), y32),
+               "update_share": ((y32 - x32).float().norm(dim=-1) / xn).mean().item()}  # fmt: skip
+        moe = [r[1].to(xn.device) for r in log if r[0] == "moe"]
+        if moe:  # the MoE's own output, where the model's code lets it be observed
+            mix = (y32 - x32).float().norm(dim=-1).pow(2) - moe[0].pow(2)
+            row["moe_share"] = (moe[0] / xn).mean().item()
+            row["mixer_share_approx"] = (mix.clamp_min(0).sqrt() / xn).mean().item()
+        layers.append(row)
         x32, x16 = y32, y16
     both = m32.head(torch.cat([x32, x_skip]))  # one pass over the lm_head (CPU: 20 s)
     l32, skip, l16 = both[:positions], both[positions:], m16.head(x16)
@@ -166,7 +166,7 @@ def study(cfg, params, context: int, positions: int, seed: int = 0, chunk: int =
         check.run(scored, "prefill", logits=False)
     routes = [r for r in log if r[0] == "route"]  # per layer: the path's, then the judge's
     flips = []
-    for i in range(cfg.num_hidden_layers):
+    for i in range(cfg.num_hidden_layers if len(routes) == 2 * cfg.num_hidden_layers else 0):
         (_, _, id16, _), (_, w32, id32, lg) = routes[2 * i], routes[2 * i + 1]
         diff = (id16.sort(-1).values != id32.sort(-1).values).any(-1)
         srt = lg.sort(-1, descending=True).values
@@ -227,11 +227,12 @@ def summary(res: dict) -> str:
         f"{res['logits']['top1_margin_over_std']:.2f} std",
         "layer kind    compound  local_out local_delta update moe  flips  w1    wk",
     ]
-    for row, loc, fl in zip(res["per_layer"], res["layer_local"]["layers"], res["router"],
-                            strict=True):  # fmt: skip
+    none = {"tokens_flipped": -1, "tokens": 0, "w1": 0.0, "wk": 0.0}  # routing not observed
+    router = res["router"] or [none] * len(res["per_layer"])
+    for row, loc, fl in zip(res["per_layer"], res["layer_local"]["layers"], router, strict=True):
         lines.append(
             f"{row['layer']:>5} {loc['kind']:<9} {row['compound_rel']:.2e} {loc['rel_out']:.2e}"
-            f"  {loc['rel_delta']:.2e}  {row['update_share']:.3f} {row['moe_share']:.3f}"
+            f"  {loc['rel_delta']:.2e}  {row['update_share']:.3f} {row.get('moe_share', 0):.3f}"
             f" {fl['tokens_flipped']:>3}/{fl['tokens']:<3} {fl['w1']:.3f} {fl['wk']:.4f}"
         )
     return "\n".join(lines)
