@@ -50,7 +50,7 @@ class Recipe:
     token_every: int = 8  # 0: no token dims (layers write every dim, read with weight 1)
     read_w: float = 0.2  # norm weight on the layers' dims (token dims: 1)
     final_w: float = 1.0  # final norm weight on the layers' dims
-    w_energy: float = 3.0  # layers' energy / token energy in the last residual
+    w_energy: float = 2.0  # layers' energy / token energy in the last residual
     growth: float = 1.05  # branch output rms growth per layer
     sparse_router: bool = True  # route by token codes (else Gaussian, ``router_std``)
     router_max: float = 2.0  # sparse router: the largest logit (big values 2-4 -> 1-2)
@@ -58,7 +58,7 @@ class Recipe:
     score_std: float = 1.5  # attention score standard deviation (q_norm, k_norm)
     attn_context: int = 4096  # context the attention output scale is set for
     logit_std: float = 2.0  # standard deviation of the logits over the vocabulary
-    logit_w_share: float = 0.65  # share of that variance from the layers' dims
+    logit_w_share: float = 0.5  # share of that variance from the layers' dims
     bigram: bool = True  # lm_head token groups = permuted embedding
     slow_decay: bool = True  # DeltaNet dt in [1e-3, 0.1] (else softplus(N(1, 0.1)): ~1.3)
     exact_bf16: bool = True  # scales with few significant bits (exact dequantization)

@@ -51,9 +51,11 @@ def reduced_config(layers: int, base: str = "full") -> ModelConfig:
 
 
 def shared_params(cfg: ModelConfig, device, recipe, share: int, seed: int = 0) -> dict:
-    """``random_params`` (bf16), except that layer i's packed codes are layer (i % share)'s
-    (its scales its own): a deep full-width model in the memory of ``share`` layers, for
-    studies on a small machine. ``share`` must keep the layer kinds (a multiple of 4)."""
+    """``random_params`` (bf16), except that layer i's experts' packed codes are layer
+    (i % share)'s (their scales its own): a deep full-width model in the memory of about
+    ``share`` layers, for studies on a small machine. Everything else (routers included,
+    so a token meets other experts in each layer) is drawn per layer. ``share`` must keep
+    the layer kinds (a multiple of 4)."""
     from lily.bench.random_model import packing, random_tensor
     from lily.quant import QuantWeight
     from lily.weights import canonical_shapes
@@ -64,7 +66,7 @@ def shared_params(cfg: ModelConfig, device, recipe, share: int, seed: int = 0) -
     bits, out = packing(cfg), {}
     for name, shape in canonical_shapes(cfg).items():
         key = name
-        if name.startswith("layers."):
+        if name.endswith(("moe.gate_proj", "moe.up_proj", "moe.down_proj")):
             _, i, rest = name.split(".", 2)
             key = f"layers.{int(i) % share}.{rest}"
         w = random_tensor(cfg, name, shape, bits[name], torch.device(device), seed,

@@ -163,13 +163,12 @@ def _bf16_vs_fp32(cfg, recipe, n: int = 64) -> tuple[dict, float]:
 
 
 def test_bf16_agrees_with_fp32_through_40_layers_and_the_layers_matter():
-    """40 layers of the tiny widths, 64 positions (attention scaled for that context).
-    The tiny widths' per-layer bf16 errors are about 1.5x the full widths' (rel_delta ~1e-2
-    against ~6e-3), so the bound here is 1.2e-2; the issue's 1e-2 at the full size is
-    tests/bench/test_fidelity_gpu.py's."""
+    """40 layers of the tiny widths, 64 positions (attention scaled for that context), at
+    the issue's bars (measured: top-1 100%, rel L2 7.7e-3, layers-skipped rel L2 0.73);
+    the full size is tests/bench/test_fidelity_gpu.py's."""
     cfg = _deep_tiny()
     m, matter = _bf16_vs_fp32(cfg, dataclasses.replace(conditioned.DEFAULT, attn_context=64))
-    assert m["top1_agreement_pct"] >= 99.0 and m["rel_l2"] <= 1.2e-2, m
+    assert m["top1_agreement_pct"] >= 99.0 and m["rel_l2"] <= 1e-2, m
     assert matter >= 0.5
     plain, _ = _bf16_vs_fp32(cfg, None)  # the old init: the check must be able to fail
     assert plain["rel_l2"] > 10 * m["rel_l2"] and plain["top1_agreement_pct"] < 90, plain
