@@ -1,9 +1,11 @@
 """Full-size fidelity on the GPU: the layer-local check and the bf16/kernel paths against
 the fp32 reference on the well-conditioned random model (issue 26). Skips without CUDA.
 
-The layer-local bounds are provisional (set from the CPU study of the same generator at
-reduced depth: bf16 reference rel_delta 6e-3 to 1.2e-2, rel_out under 3e-3); the lead
-sets them from the H200 measurement (bench/gpu_fidelity.py)."""
+The layer-local bounds are provisional, from the CPU study of the same generator at full
+widths and depth (32 tokens, no context; docs/notes/fidelity.md): the bf16 reference's
+per-layer rel_out is at most 3.6e-3 and rel_delta 6e-3 early to 2-3e-2 late (there the bf16
+rounding of the whole residual is large against what one layer adds). The lead sets them
+from the H200 measurement (bench/gpu_fidelity.py)."""
 
 from __future__ import annotations
 
@@ -21,8 +23,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 CONTEXT = 4096
 # PROVISIONAL: per layer, |y_path - y_fp32| / |y_fp32| (the layer's output) and the same
 # error over |y_fp32 - x| (what the layer added). Set from the H200 run.
-MAX_REL_OUT = 1e-2
-MAX_REL_DELTA = 3e-2
+MAX_REL_OUT = 6e-3
+MAX_REL_DELTA = 5e-2
 
 
 @pytest.fixture(scope="module")
