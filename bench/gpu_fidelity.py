@@ -53,17 +53,17 @@ def _log(msg: str) -> None:
 @torch.inference_mode()
 def run_context(judge, paths, engine, ids: list[int], n: int, args) -> dict:
     """Everything after a context of ``n`` tokens (module docstring, item 1)."""
-    cfg, p = FULL, args.positions
+    cfg, dev, p = judge.cfg, judge.device, args.positions
     limit = n + max(p, args.chunk + args.decode_steps) + 1
     t0 = time.perf_counter()
-    st = SessionState.new(cfg, "cuda", torch.float32, limit)
+    st = SessionState.new(cfg, dev, torch.float32, limit)
     prefill_context(judge, st, ids[:n])
     out: dict = {"context": n, "fp32_context_s": time.perf_counter() - t0}
     scored = ids[n : n + p]
     l32 = run_layers(judge, copy.deepcopy(st), scored, logits=True).cpu()
     target = ids[n : n + p + 1]
     bf16 = paths["bf16_reference"]
-    s16 = SessionState.new(cfg, "cuda", torch.bfloat16, limit)
+    s16 = SessionState.new(cfg, dev, torch.bfloat16, limit)
     prefill_context(bf16, s16, ids[:n])
     l16 = run_layers(bf16, s16, scored, logits=True).cpu()
     out["bf16_reference_vs_fp32"] = metrics(l16, l32, target)
