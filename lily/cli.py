@@ -8,12 +8,15 @@ import sys
 import time
 from pathlib import Path
 
+from lily.config import EngineConfig
+
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint directory (default: the built-in tiny model)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per prefill chunk")
+    p.add_argument("--prefill-chunk", type=int, default=EngineConfig.prefill_chunk,
+                   help="tokens per prefill chunk")  # fmt: skip
     p.add_argument("--max-context", type=int, default=262144)
     p.add_argument("--quantize", action="store_true",
                    help="pack a bf16 Hugging Face checkpoint to MLX 4-bit at load")  # fmt: skip
@@ -42,8 +45,6 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace):
     import torch
-
-    from lily.config import EngineConfig
 
     device = args.device
     if device == "auto":

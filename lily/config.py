@@ -252,7 +252,7 @@ class EngineConfig:
 
     device: str = "cpu"
     dtype: str = "float32"  # compute dtype for activations: float32 or bfloat16
-    prefill_chunk: int = 2048
+    prefill_chunk: int = 8192
     max_context: int = 262144
     load_mtp: bool = False
     quantize_on_load: bool = False  # bf16 HF checkpoints: pack to MLX 4-bit at load

@@ -22,6 +22,7 @@ from lily.bench.random_model import (
 )
 from lily.bench.source import canonical_params, describe
 from lily.bench.sweep import LilyAdapter, LocalEngine, Slot, sweep
+from lily.config import EngineConfig
 
 BENCH_LENGTHS = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
 
@@ -228,7 +229,7 @@ def _warm_and_sweep(
 
     # One warm-up prefill per distinct first-chunk size, so kernel compilation and
     # autotuning for each shape happen before timing (decode warms on the first).
-    chunk = plan.source.get("prefill_chunk", 2048)
+    chunk = plan.source.get("prefill_chunk", EngineConfig.prefill_chunk)
     sizes = sorted({min(n, chunk) for n in plan.lengths})
     for s in slots:
         _log(f"warming up {s.name} ({', '.join(map(str, sizes))} tokens) ...")

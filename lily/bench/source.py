@@ -39,7 +39,7 @@ def engine_config(source: dict) -> EngineConfig:
     return EngineConfig(
         device=source.get("device", "cpu"),
         dtype=source.get("dtype", "float32"),
-        prefill_chunk=source.get("prefill_chunk", 2048),
+        prefill_chunk=source.get("prefill_chunk", EngineConfig.prefill_chunk),
         use_kernels=bool(source.get("use_kernels", False)),
     )
 
