@@ -294,7 +294,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "that need more get 400 (default: what the GPU or host has free)")  # fmt: skip
     p.add_argument("--thinking-budget", type=int, default=None,
                    help="reasoning tokens after which </think> is forced, when a request "
-                   "sets no budget of its own (default: none)")  # fmt: skip
+                   "sets no budget of its own (default: none; with a budget, thinking requests "
+                   "sample on the host each step)")  # fmt: skip
     p.add_argument(
         "--drain-timeout",
         type=float,

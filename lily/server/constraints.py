@@ -175,7 +175,7 @@ class Processor:
         self._guard = torch.tensor(guard_ids or [], dtype=torch.long)
         self._one_call = one_call_end
         self._bias = bias
-        self._bias_dev: torch.Tensor | None = None
+        self._copies: dict[tuple[str, torch.device], torch.Tensor] = {}
         self._text = token_text
         # NOTE: positions in `generated`: where the answer starts (None while thinking),
         # how far it was scanned, how far the grammar was fed, tokens forced at positions.
@@ -189,16 +189,14 @@ class Processor:
         n = len(generated)
         self._scan(generated)
         if self._bias is not None:
-            if self._bias_dev is None or self._bias_dev.device != logits.device:
-                self._bias_dev = self._bias.to(logits.device)
-            logits = logits + self._bias_dev
+            logits = logits + self._on(logits.device, "_bias")
         if self.answer_at is None and self._limit is not None and n >= self._limit:
             self._close_reasoning(generated)
         if n in self._forced:
             return self._only([self._forced[n]], logits)
         if self.answer_at is None:  # thinking
             if self._guard.numel():
-                logits = logits.index_fill(0, self._guard.to(logits.device), float("-inf"))
+                logits = logits.index_fill(0, self._on(logits.device, "_guard"), float("-inf"))
             return logits
         if self._calls_done:
             return self._only(self._eos, logits)
@@ -228,6 +226,13 @@ class Processor:
         last = self._text(generated[-1]) if generated and self._text else "\n"
         seq = ([] if last.endswith("\n") else self._newline) + self._close
         self._forced.update({n + i: t for i, t in enumerate(seq)})
+
+    def _on(self, device: torch.device, name: str) -> torch.Tensor:
+        """Tensor attribute ``name`` on ``device``, copied there once."""
+        key = (name, device)
+        if key not in self._copies:
+            self._copies[key] = getattr(self, name).to(device)
+        return self._copies[key]
 
     def _only(self, ids: list[int], logits: torch.Tensor) -> torch.Tensor:
         out = torch.full_like(logits, float("-inf"))
