@@ -150,6 +150,7 @@ def test_missing_close_parameter_tag():
         ("42", None, "42"),
         ("nope", {"type": "integer"}, "nope"),  # unconvertible stays text
         ("nan", {"type": "number"}, "nan"),  # JSON has no NaN
+        ("842e07588848", {"type": "number"}, "842e07588848"),  # infinite as a double: text
         ("7", {"anyOf": [{"type": "integer"}, {"type": "string"}]}, 7),
         ("x", {"enum": ["x", "y"]}, "x"),
     ],
