@@ -20,6 +20,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tests.server.conftest import KEYS, MAX_CONTEXT
 from tests.server.helpers import assert_openai_error, sse_events
 from tests.server.test_api import prompt_text
+from tests.server.test_grammar import GIVE_UP, LATE_FAILING
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -236,15 +237,11 @@ def test_invalid_schema_is_a_400(http, body, param):
     assert err["param"] == param and "invalid JSON schema" in err["message"]
 
 
-BAD_SCHEMAS = [
-    {"type": "object", "properties": {"s": {"type": "string", "pattern": "^(a{1000}){1000}$"}},
-     "required": ["s"]},
-    {"$ref": "#/$defs/a", "$defs": {"a": {"type": "object", "required": ["x"],
-                                          "properties": {"x": {"$ref": "#/$defs/a"}}}}},
-]  # fmt: skip
-
-
-@pytest.mark.parametrize("schema", BAD_SCHEMAS, ids=["pattern", "recursive-ref"])
+@pytest.mark.parametrize(
+    "schema",
+    [GIVE_UP["nested-pattern"], GIVE_UP["recursive-ref"]],
+    ids=["pattern", "recursive-ref"],
+)
 @pytest.mark.parametrize("stream", [False, True])
 def test_schema_the_engine_gives_up_on_is_a_400(http, schema, stream):
     rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
@@ -256,15 +253,7 @@ def test_schema_the_engine_gives_up_on_is_a_400(http, schema, stream):
 def test_constraint_failing_while_generating_is_an_error(http):
     """Past the pre-check (a 30-character string first), the pattern fails mid-answer: the
     non-streamed request is a 400, the stream ends in an error event then [DONE]."""
-    schema = {
-        "type": "object",
-        "properties": {
-            "a": {"type": "string", "minLength": 30, "maxLength": 30},
-            "b": {"type": "string", "pattern": "^(a{1000}){1000}$"},
-        },
-        "required": ["a", "b"],
-    }
-    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": LATE_FAILING}}
     body = {"messages": ASK, "response_format": rf, "max_tokens": 100, "seed": 1,
             "chat_template_kwargs": NO_THINK}  # fmt: skip
     err = assert_openai_error(http.post("/v1/chat/completions", json=body), 400)
