@@ -266,6 +266,12 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
+def _chat_output(p: Prepared, ctx: Any) -> ChatOutput:
+    tok = ctx.engine.tokenizer
+    return ChatOutput(tok, p.reasoning_mode, p.tools, p.logprobs, set(tok.eos_token_ids),
+                      p.parallel_tool_calls)  # fmt: skip
+
+
 async def run_stream(p: Prepared, ctx: Any, model: str) -> AsyncIterator[str]:
     """SSE body: role first, deltas, a finish chunk, usage if asked, then [DONE].
 
@@ -285,9 +291,7 @@ async def run_stream(p: Prepared, ctx: Any, model: str) -> AsyncIterator[str]:
 async def _stream_body(p: Prepared, ctx: Any, model: str) -> AsyncIterator[str]:
     maker = ChunkMaker(p.kind, model, p.include_usage)
     job = p.job
-    eos = set(ctx.engine.tokenizer.eos_token_ids)
-    out = ChatOutput(ctx.engine.tokenizer, p.reasoning_mode, p.tools, p.logprobs, eos,
-                     p.parallel_tool_calls)  # fmt: skip
+    out = _chat_output(p, ctx)
     fmt = LogprobFormatter(ctx.engine.tokenizer)
     reason = None
     try:
@@ -347,8 +351,7 @@ async def run_full(p: Prepared, ctx: Any, model: str, receive: Callable) -> dict
     """
     job = p.job
     eos = set(ctx.engine.tokenizer.eos_token_ids)
-    out = ChatOutput(ctx.engine.tokenizer, p.reasoning_mode, p.tools, p.logprobs, eos,
-                     p.parallel_tool_calls)  # fmt: skip
+    out = _chat_output(p, ctx)
     fmt = LogprobFormatter(ctx.engine.tokenizer)
     text, reason, usage = "", None, None
     lps: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
