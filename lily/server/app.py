@@ -37,9 +37,13 @@ from lily.server.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    check_model,
     validation_message,
 )
 from lily.server.serving import QueueFull, Scheduler, log_error
+from lily.server.tokens import detokenize, tokenize
 
 log = logging.getLogger("lily.server")
 
@@ -59,6 +63,7 @@ class Settings:
     max_prompt_tokens: int | None = None  # None: the context window is the only limit
     max_request_memory: int | None = None  # bytes; None: what the device or host has free
     drain_timeout: float = 30.0
+    thinking_budget: int | None = None  # reasoning tokens before </think> is forced
 
 
 class Context:
@@ -185,21 +190,30 @@ def create_app(
     async def metrics() -> Response:
         return PlainTextResponse(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    def card(c: Context, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": c.created, "owned_by": "lily",
+                "root": name, "max_model_len": c.engine.max_context}  # fmt: skip
+
     @app.get("/v1/models")
     async def models() -> Response:
         c = ctx.ready()
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": c.created,
-                "owned_by": "lily",
-                "root": name,
-                "max_model_len": c.engine.max_context,
-            }  # fmt: skip
-            for name in c.model_names
-        ]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": [card(c, n) for n in c.model_names]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        c = ctx.ready()
+        check_model(model_id, c.model_names)
+        return JSONResponse(card(c, model_id))
+
+    @app.post("/tokenize")
+    async def tokenize_route(req: TokenizeRequest, request: Request) -> Response:
+        rid = request.scope["state"]["request_id"]
+        return JSONResponse(await asyncio.to_thread(tokenize, req, ctx.ready(), rid))
+
+    @app.post("/detokenize")
+    async def detokenize_route(req: DetokenizeRequest, request: Request) -> Response:
+        rid = request.scope["state"]["request_id"]
+        return JSONResponse(await asyncio.to_thread(detokenize, req, ctx.ready(), rid))
 
     async def dispatch(prepare: Callable, req: Any, request: Request) -> Response:
         if ctx.status == "draining":
@@ -278,6 +292,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-memory-mb", type=float, default=None,
                    help="most memory one request's KV cache and state may take; requests "
                    "that need more get 400 (default: what the GPU or host has free)")  # fmt: skip
+    p.add_argument("--thinking-budget", type=int, default=None,
+                   help="reasoning tokens after which </think> is forced, when a request "
+                   "sets no budget of its own (default: none; with a budget, thinking requests "
+                   "sample on the host each step)")  # fmt: skip
     p.add_argument(
         "--drain-timeout",
         type=float,
@@ -323,6 +341,9 @@ def settings_from_args(
         raise ValueError("--max-request-memory-mb: must be a positive number")
     if not (math.isfinite(args.drain_timeout) and args.drain_timeout >= 0):
         raise ValueError("--drain-timeout: must be >= 0 seconds")
+    budget = getattr(args, "thinking_budget", None)
+    if budget is not None and budget < 0:
+        raise ValueError("--thinking-budget: must be >= 0")
     return Settings(
         served_model_names=list(args.served_model_name or []),
         api_keys=list(dict.fromkeys(keys)),
@@ -335,6 +356,7 @@ def settings_from_args(
         max_prompt_tokens=args.max_prompt_tokens,
         max_request_memory=None if mem is None else int(mem * (1 << 20)),
         drain_timeout=args.drain_timeout,
+        thinking_budget=budget,
     )
 
 

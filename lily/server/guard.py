@@ -24,6 +24,7 @@ from lily.server.protocol import ApiError
 # JSON schemas and tool arguments nest a few levels; hundreds only serve to exhaust the
 # recursion of every later walker (pydantic, Jinja's tojson, llguidance).
 MAX_JSON_DEPTH = 64
+GUARDED = ("/v1", "/tokenize", "/detokenize")  # paths behind the API key and body checks
 _ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:/+=")
 
 
@@ -95,7 +96,8 @@ def _key_digest(key: bytes) -> bytes:
 
 
 class Gate:
-    """Echo ``X-Request-Id``; check API keys on /v1/*; cap and strictly parse POST bodies."""
+    """Echo ``X-Request-Id``; check API keys on /v1/* (and the tokenizer endpoints); cap and
+    strictly parse their POST bodies."""
 
     def __init__(self, app: ASGIApp, keys: list[str], max_body_bytes: int) -> None:
         self.app = app
@@ -126,7 +128,7 @@ class Gate:
             await send(message)
 
         path = scope.get("path", "")
-        guarded = path.startswith("/v1") and scope.get("method") != "OPTIONS"
+        guarded = path.startswith(GUARDED) and scope.get("method") != "OPTIONS"
         if guarded and self.digests and not self.authorized(headers.get(b"authorization", b"")):
             e = ApiError(401, "Invalid or missing API key (send 'Authorization: Bearer KEY')",
                          type="authentication_error", code="invalid_api_key",

@@ -235,6 +235,8 @@ def test_schema_fuzz_never_5xx(server, openapi, path):
             seen["4xx"] += 1
 
     run()
-    # Mostly valid bodies: the fuzz reached the engine, not only the validator.
-    assert seen["ok"] >= 15, seen
+    # Mostly valid bodies: the fuzz reached the engine, not only the validator. Completions
+    # bodies are valid less often (a random prompt union: ids out of the vocabulary, several
+    # prompts): about 1 in 5, measured 10 to 27 in 100 as the schema and draws change.
+    assert seen["ok"] >= (15 if path == CHAT else 8), seen
     assert server.alive()
