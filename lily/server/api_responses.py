@@ -74,12 +74,12 @@ class ResponsesRequest(_Lenient):
     prompt: Any = None
 
 
-def _text(content: Any, where: str, kinds: tuple[str, ...]) -> str:
-    """The text of a message's content: a string or text parts of the given types."""
+def _text(content: Any, where: str, kinds: tuple[str, ...], sep: str = "") -> str:
+    """The text of ``where`` (a content field): a string or text parts of the given types."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise bad_request(f"{where}: content must be a string or a list of parts", "input")
+        raise bad_request(f"{where}: must be a string or a list of parts", "input")
     out = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
@@ -87,15 +87,17 @@ def _text(content: Any, where: str, kinds: tuple[str, ...]) -> str:
             out.append(part["refusal"])
         elif kind in kinds and isinstance(part.get("text"), str):
             out.append(part["text"])
+        elif kind in kinds:
+            raise bad_request(f"{where}[{j}].text: must be a string", "input")
         else:
             what = "image, file and audio inputs are" if "input_" in str(kind) else "it is"
             raise bad_request(
-                f"{where}.content[{j}]: part type {str(kind)[:40]!r} is not supported here "
+                f"{where}[{j}]: part type {str(kind)[:40]!r} is not supported here "
                 f"({what} not supported; send {' or '.join(kinds)} parts)",
                 "input",
                 code="unsupported_content",
             )
-    return "".join(out)
+    return sep.join(out)
 
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -132,7 +134,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             if role not in ("user", "assistant", "system", "developer"):
                 raise bad_request(f"{where}.role: must be user, assistant, system or "
                                   f"developer, got {str(role)[:40]!r}", "input")  # fmt: skip
-            text = _text(item.get("content"), where, _TEXT_PARTS)
+            text = _text(item.get("content"), f"{where}.content", _TEXT_PARTS)
             if role == "assistant":
                 assistant("content")["content"] = text
                 continue
@@ -149,15 +151,14 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             assistant("tool_calls").setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             output = item.get("output", "")
-            text = output if isinstance(output, str) else _text(output, where, _TEXT_PARTS)
+            text = _text(output, f"{where}.output", _TEXT_PARTS)
             turn = None
             out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
         elif kind == "reasoning":
-            parts = item.get("content") or []
-            text = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            text = _text(item.get("content") or [], f"{where}.content", ("reasoning_text",))
             if not text:  # only a summary came back: it stands for the thinking
                 summary = item.get("summary") or []
-                text = "\n\n".join(p.get("text", "") for p in summary if isinstance(p, dict))
+                text = _text(summary, f"{where}.summary", ("summary_text",), "\n\n")
             assistant("reasoning_content")["reasoning_content"] = text
         else:
             raise bad_request(f"{where}: input items of type {str(kind)[:40]!r} are not "

@@ -78,6 +78,11 @@ def test_items_group_into_assistant_turns():
         ({"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}, "input_image"),
         ({"role": "tool", "content": "x"}, "role"),
         ({"type": "function_call", "name": "f", "arguments": {"a": 1}}, "function_call"),
+        (
+            {"type": "reasoning", "content": [{"type": "reasoning_text", "text": 5}]},
+            "input[0].content[0].text: must be a string",
+        ),
+        ({"type": "reasoning", "summary": {"text": "x"}}, "input[0].summary: must be"),
     ],
 )
 def test_unsupported_items_are_400s_naming_input(item, what):
