@@ -51,6 +51,17 @@ def assert_openai_error(r: httpx.Response, status: int) -> dict[str, Any]:
     return err
 
 
+# A tool schema whose calls always end: a city from two, a small integer.
+WEATHER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+}
+
+
 def answer_header_len(model_dir) -> int:
     """Tokens of the answer's turn header with thinking off, counted by ``tokenizers``: a
     continued conversation resumes from saved state at least at that turn's start."""

@@ -19,20 +19,13 @@ from anthropic.types import Message, RawMessageStreamEvent
 from pydantic import TypeAdapter
 
 from tests.server.conftest import ENV_KEYS, GUARD_FAULT_SEED, KEYS
-from tests.server.helpers import answer_header_len
+from tests.server.helpers import WEATHER_SCHEMA, answer_header_len
 from tests.server.test_api import prompt_len
 
 EVENTS = TypeAdapter(RawMessageStreamEvent)
 MSGS = [{"role": "user", "content": "Say something."}]
 OFF = {"type": "disabled"}
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Rome"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-}
+SCHEMA = WEATHER_SCHEMA
 WEATHER = {"name": "get_weather", "description": "Forecast", "input_schema": SCHEMA}
 PING = {
     "name": "ping",

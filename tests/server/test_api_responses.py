@@ -18,20 +18,12 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, Field, TypeAdapter
 
 from tests.server.conftest import ENV_KEYS, GUARD_FAULT_SEED, KEYS
-from tests.server.helpers import answer_header_len, assert_openai_error
+from tests.server.helpers import WEATHER_SCHEMA, answer_header_len, assert_openai_error
 from tests.server.test_api import prompt_len
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
 NO_THINK = {"reasoning": {"effort": "none"}}
-PARAMS = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Rome"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
+PARAMS = {**WEATHER_SCHEMA, "additionalProperties": False}
 WEATHER = {
     "type": "function",
     "name": "get_weather",
