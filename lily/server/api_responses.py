@@ -223,6 +223,12 @@ def chat_body(
     messages = list(talk)
     if req.instructions:
         messages.insert(0, {"role": "system", "content": req.instructions})
+    lead = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    if lead > 1:
+        # Instructions and developer items before the conversation are one system message:
+        # chat templates (Qwen's among them) may take a system message only at the start.
+        merged = "\n\n".join(m["content"] for m in messages[:lead])
+        messages[:lead] = [{"role": "system", "content": merged}]
     kwargs = dict(req.chat_template_kwargs or {})
     effort = req.reasoning.effort if req.reasoning else None
     if effort == "none":

@@ -136,6 +136,22 @@ def test_responses_request_maps_to_chat():
     }
 
 
+def test_leading_instructions_and_developer_items_are_one_system_message():
+    items = [
+        {"role": "developer", "content": "d1"},
+        {"role": "system", "content": [{"type": "input_text", "text": "s2"}]},
+        {"role": "user", "content": "u"},
+        {"role": "developer", "content": "later"},
+    ]
+    body, talk = api_responses.chat_body(_responses(input=items, instructions="i0"), ())
+    assert body["messages"] == [
+        {"role": "system", "content": "i0\n\nd1\n\ns2"},
+        {"role": "user", "content": "u"},
+        {"role": "system", "content": "later"},
+    ]
+    assert talk[0] == {"role": "system", "content": "d1"}  # stored without the instructions
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
