@@ -28,6 +28,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
+from lily.server import api_messages, api_responses
+from lily.server.api_messages_events import AnthropicErrors
 from lily.server.grammar import GrammarCompiler
 from lily.server.guard import Gate
 from lily.server.handlers import prepare_chat, prepare_completion, run_full, run_stream
@@ -42,6 +44,7 @@ from lily.server.protocol import (
     check_model,
     validation_message,
 )
+from lily.server.response_store import ResponseStore
 from lily.server.serving import QueueFull, Scheduler, log_error
 from lily.server.tokens import detokenize, tokenize
 
@@ -215,7 +218,8 @@ def create_app(
         rid = request.scope["state"]["request_id"]
         return JSONResponse(await asyncio.to_thread(detokenize, req, ctx.ready(), rid))
 
-    async def dispatch(prepare: Callable, req: Any, request: Request) -> Response:
+    async def start(prepare: Callable, req: Any, request: Request) -> Any:
+        """Check readiness, prepare the job in a thread (400s come from there), queue it."""
         if ctx.status == "draining":
             ctx.metrics.add("request_rejected")
         c = ctx.ready()
@@ -232,13 +236,17 @@ def create_app(
                 code="queue_full",
                 headers={"Retry-After": str(_retry_after(c))},
             ) from None
-        model = req.model or c.model_names[0]
+        return p
+
+    async def dispatch(prepare: Callable, req: Any, request: Request) -> Response:
+        p = await start(prepare, req, request)
+        model = req.model or ctx.model_names[0]
         if p.stream:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return StreamingResponse(
-                run_stream(p, c, model), media_type="text/event-stream", headers=headers
+                run_stream(p, ctx, model), media_type="text/event-stream", headers=headers
             )
-        return JSONResponse(await run_full(p, c, model, request.receive))
+        return JSONResponse(await run_full(p, ctx, model, request.receive))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
@@ -248,7 +256,12 @@ def create_app(
     async def completions(req: CompletionRequest, request: Request) -> Response:
         return await dispatch(prepare_completion, req, request)
 
+    # The other APIs agents speak: same engine job, their own wire (docs/API.md).
+    api_responses.register(app, ctx, start, ResponseStore())
+    api_messages.register(app, ctx, start)
+
     app = Gate(app, settings.api_keys, settings.max_body_bytes)  # type: ignore[assignment]
+    app = AnthropicErrors(app)  # type: ignore[assignment]
     if settings.cors_origins:
         app = CORSMiddleware(  # type: ignore[assignment]
             app, allow_origins=settings.cors_origins, allow_methods=["*"],

@@ -96,8 +96,8 @@ def _key_digest(key: bytes) -> bytes:
 
 
 class Gate:
-    """Echo ``X-Request-Id``; check API keys on /v1/* (and the tokenizer endpoints); cap and
-    strictly parse their POST bodies."""
+    """Echo ``X-Request-Id``; check API keys (Bearer or x-api-key) on /v1/* and the tokenizer
+    endpoints; cap and strictly parse their POST bodies."""
 
     def __init__(self, app: ASGIApp, keys: list[str], max_body_bytes: int) -> None:
         self.app = app
@@ -114,6 +114,12 @@ class Gate:
             ok |= hmac.compare_digest(got, d)
         return ok and scheme.lower() == b"bearer"
 
+    def _any_key(self, headers: dict[bytes, bytes]) -> bool:
+        # The Anthropic API sends its key as x-api-key; either header may carry it.
+        if self.authorized(headers.get(b"authorization", b"")):
+            return True
+        return b"x-api-key" in headers and self.authorized(b"Bearer " + headers[b"x-api-key"])
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
@@ -129,9 +135,9 @@ class Gate:
 
         path = scope.get("path", "")
         guarded = path.startswith(GUARDED) and scope.get("method") != "OPTIONS"
-        if guarded and self.digests and not self.authorized(headers.get(b"authorization", b"")):
-            e = ApiError(401, "Invalid or missing API key (send 'Authorization: Bearer KEY')",
-                         type="authentication_error", code="invalid_api_key",
+        if guarded and self.digests and not self._any_key(headers):
+            msg = "Invalid or missing API key (send 'Authorization: Bearer KEY' or 'x-api-key')"
+            e = ApiError(401, msg, type="authentication_error", code="invalid_api_key",
                          headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
             await _respond(e, scope, receive, send_with_id)
             return

@@ -251,7 +251,7 @@ def engine_error(e: BaseException) -> ApiError:
     return ApiError(500, f"engine error: {type(e).__name__}: {e}", type="server_error")
 
 
-def _cancelled() -> ApiError:
+def cancelled_error() -> ApiError:
     # Seen only by a client still there: the server dropped its queued request on shutdown.
     msg = "the request was cancelled: the server is shutting down"
     return ApiError(503, msg, type="server_error", code="cancelled", headers={"Retry-After": "5"})
@@ -303,7 +303,7 @@ async def _stream_body(p: Prepared, ctx: Any, model: str) -> AsyncIterator[str]:
             if kind == "keepalive":
                 yield ": keep-alive\n\n"
             elif kind == "cancelled":
-                yield _sse(_cancelled().body())
+                yield _sse(cancelled_error().body())
                 break
             elif kind == "error":
                 yield _sse(engine_error(value).body())
@@ -369,7 +369,7 @@ async def run_full(p: Prepared, ctx: Any, model: str, receive: Callable) -> dict
             if kind == "error":
                 raise engine_error(value)
             if kind == "cancelled":
-                raise _cancelled()
+                raise cancelled_error()
             if kind == "step":
                 reason = value.finish_reason
                 if p.kind == "chat":

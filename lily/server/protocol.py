@@ -17,7 +17,7 @@ except ImportError:  # pragma: no cover - a dependency; without it schemas go un
     jsonschema = None
 
 
-class _Lenient(BaseModel):
+class Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
@@ -59,18 +59,18 @@ def check_model(name: str | None, served: list[str]) -> None:
                        code="model_not_found")  # fmt: skip
 
 
-class FunctionCall(_Lenient):
+class FunctionCall(Lenient):
     name: str
     arguments: str | dict[str, Any] = ""
 
 
-class ToolCallIn(_Lenient):
+class ToolCallIn(Lenient):
     id: str | None = None
     type: str = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -80,35 +80,35 @@ class ChatMessage(_Lenient):
     reasoning: str | None = None
 
 
-class FunctionDef(_Lenient):
+class FunctionDef(Lenient):
     name: str = Field(min_length=1, max_length=256)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(_Lenient):
+class Tool(Lenient):
     type: Literal["function"] = "function"
     function: FunctionDef
 
 
-class NamedToolChoiceFunction(_Lenient):
+class NamedToolChoiceFunction(Lenient):
     name: str
 
 
-class NamedToolChoice(_Lenient):
+class NamedToolChoice(Lenient):
     type: Literal["function"] = "function"
     function: NamedToolChoiceFunction
 
 
-class JsonSchemaSpec(_Lenient):
+class JsonSchemaSpec(Lenient):
     name: str | None = None
     schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
     strict: bool | None = None
     description: str | None = None
 
 
-class ResponseFormat(_Lenient):
+class ResponseFormat(Lenient):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaSpec | None = None
 
@@ -128,12 +128,12 @@ def response_schema(rf: ResponseFormat | None) -> Any:
     return rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {}
 
 
-class StreamOptions(_Lenient):
+class StreamOptions(Lenient):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
 
 
-class SamplingFields(_Lenient):
+class SamplingFields(Lenient):
     """Fields shared by chat and completions."""
 
     model: str | None = None
@@ -188,7 +188,7 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
 
 
-class TokenizeRequest(_Lenient):
+class TokenizeRequest(Lenient):
     """vLLM's ``/tokenize``: a ``prompt``, or ``messages`` rendered by the chat template."""
 
     model: str | None = None
@@ -209,7 +209,7 @@ class TokenizeRequest(_Lenient):
         return self
 
 
-class DetokenizeRequest(_Lenient):
+class DetokenizeRequest(Lenient):
     model: str | None = None
     tokens: list[int]
 
