@@ -18,6 +18,7 @@ from lily.config import ModelConfig
 # of the cache every 4,096 decode tokens, and the engine reserves a whole prompt at once.
 KV_STEP = 4096
 INITIAL_CAPACITY = 256  # positions of a new state's caches
+RELEASE_BYTES = 32 << 20  # a layer's old K and V at least this big go back to the driver
 
 
 def kv_capacity(positions: int, limit: int, initial: int = INITIAL_CAPACITY) -> int:
@@ -47,12 +48,14 @@ class KVCache:
         if n > self.limit:
             raise ValueError(f"context of {n} tokens exceeds the cache limit of {self.limit}")
         cap = kv_capacity(n, self.limit, self.capacity)
+        old = 2 * self.k.numel() * self.k.element_size()
         # NOTE: K, then V: only one old buffer is held beside its new copy at any time.
         self.k = _grown(self.k, cap)
         self.v = _grown(self.v, cap)
-        if self.k.is_cuda:
+        if self.k.is_cuda and old >= RELEASE_BYTES:
             # The old buffers go back to the driver now: cached, they would stay reserved
             # beside the larger new ones and a card sized for one cache would hold two.
+            # (A sync; small caches skip it, a short prompt's timing would show it.)
             torch.cuda.empty_cache()
 
 

@@ -76,7 +76,7 @@ def gemm_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
 def chunk_lengths(cfg: ModelConfig, chunk: int) -> list[int]:
     """Representative chunk lengths in 2..chunk: every GEMV row count, and from each run of
     lengths that the tile tables treat alike, one length for each divisibility class of
-    its ints (the length and the MoE's block-map size) and the run's longest."""
+    its ints (the length, the MoE's block-map size, T x H) and the run's longest."""
     from lily.ops.launch import cdiv
     from lily.ops.moe_prefill import moe_prefill_config, router_gemm_config
     from lily.ops.qgemm import gemm_config
@@ -90,10 +90,11 @@ def chunk_lengths(cfg: ModelConfig, chunk: int) -> list[int]:
         return (tuple(gemm_config(t, n, kk, gs) for n, kk in shapes),
                 moe_prefill_config(t, k, e), router_gemm_config(t, gs))  # fmt: skip
 
-    def classes(t: int) -> tuple[bool, bool]:
+    def classes(t: int) -> tuple[bool, bool, bool]:
         bm = moe_prefill_config(t, k, e).block_m
         tiles = cdiv(t * k, bm) + e + (cdiv(t, bm) if shared else 0)  # as moe_prefill sizes it
-        return t % 16 == 0, tiles % 16 == 0
+        rows = t * cfg.num_attention_heads  # attention's split combine takes T x H rows
+        return t % 16 == 0, tiles % 16 == 0, rows % 16 == 0
 
     out = set(range(2, min(GEMV_ROWS, chunk) + 1))
     runs: list[list[int]] = []
@@ -105,7 +106,7 @@ def chunk_lengths(cfg: ModelConfig, chunk: int) -> list[int]:
             prev = sig
         runs[-1].append(t)
     for run in runs:
-        seen: dict[tuple[bool, bool], int] = {}
+        seen: dict[tuple[bool, ...], int] = {}
         for t in run:
             seen.setdefault(classes(t), t)
         out |= set(seen.values()) | {run[-1]}

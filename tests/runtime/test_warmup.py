@@ -41,15 +41,18 @@ def _classes(t: int, chunk_cfg) -> tuple:
     bm = moe.block_m
     tiles = -(-t * cfg.num_experts_per_tok // bm) + cfg.num_experts + -(-t // bm)
     gemms = tuple(gemm_config(t, n, k, 64) for n, k in gemm_shapes(cfg))
-    return gemms, moe, router_gemm_config(t, 64), t % 16 == 0, tiles % 16 == 0
+    rows = t * cfg.num_attention_heads
+    return gemms, moe, router_gemm_config(t, 64), t % 16 == 0, tiles % 16 == 0, rows % 16 == 0
 
 
-@pytest.mark.parametrize("chunk", [2048, 4096, 300])
-def test_chunk_lengths_cover_every_class_a_prompt_can_hit(chunk):
-    reps = chunk_lengths(FULL, chunk)
+@pytest.mark.parametrize("name,chunk", [("full", 2048), ("full", 4096), ("full", 300),
+                                        ("tiny", 64)])  # fmt: skip
+def test_chunk_lengths_cover_every_class_a_prompt_can_hit(name, chunk):
+    cfg = model_config(name)
+    reps = chunk_lengths(cfg, chunk)
     assert set(range(2, GEMV_ROWS + 1)) <= set(reps) and chunk in reps
-    every = {_classes(t, FULL) for t in range(GEMV_ROWS + 1, chunk + 1)}
-    covered = {_classes(t, FULL) for t in reps if t > GEMV_ROWS}
+    every = {_classes(t, cfg) for t in range(GEMV_ROWS + 1, chunk + 1)}
+    covered = {_classes(t, cfg) for t in reps if t > GEMV_ROWS}
     assert covered == every
     assert len(reps) < 60  # a few seconds of warm-up with Triton's cache warm
 
@@ -167,3 +170,30 @@ def test_warm_up_is_a_no_op_on_the_reference_path(make_engine):
     assert "skipped" in warm_up(engine, progress=False)
     assert _same(_fingerprint(engine), before)
     assert {c.capacity for c in engine.state.kv.values()} == {256}  # not even reserved
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel runner's warm-up: GPU")
+def test_gpu_warm_up_compiles_what_requests_need_and_changes_no_output(tmp_path):
+    from lily.bench.measure import pseudo_text_ids
+    from lily.checkpoint import TINY_TEXT_CONFIG, write_random_checkpoint
+    from lily.runtime.warmup import kernel_variants
+
+    write_random_checkpoint(tmp_path, TINY_TEXT_CONFIG, "mlx4", seed=3, progress=False)
+    ecfg = EngineConfig(device="cuda", dtype="bfloat16", use_kernels=True, prefill_chunk=64,
+                        max_context=2048)  # fmt: skip
+    warm = Engine.load(tmp_path, ecfg, progress=False)
+    report = warm_up(warm, progress=False, log=lambda m: None)
+    assert report["prefill_runs"] > 0 and warm.state.length == 0
+    before = kernel_variants()
+    cold = Engine.load(tmp_path, ecfg, progress=False)
+    start = warm.tokenizer.im_start_id
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for n, seed in ((301, 1), (157, 2), (250, 3), (64 * 3 + 5, 4)):
+        ids = [start, 5, 6, start] + pseudo_text_ids(n, 400, seed=seed) + [start, 7]
+        with torch.inference_mode():
+            got = [s.token_id for s in warm.generate(ids, params)]
+            want = [s.token_id for s in cold.generate(ids, params)]
+        assert got == want
+    after = kernel_variants()
+    missed = {k: after[k] - before.get(k, 0) for k in after if after[k] > before.get(k, 0)}
+    assert not missed, f"kernel variants the warm-up did not compile: {missed}"
