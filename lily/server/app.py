@@ -250,12 +250,14 @@ def create_app(
 
 def _start_engine(engine: Any, ctx: Context) -> None:
     """Print the architecture report, then warm the kernels up (/health says "warming up"
-    meanwhile); the report goes to the log, the warm-up's progress bar to stderr."""
+    meanwhile); the report goes to the log, the warm-up's progress bar to stderr. An engine
+    without a memory plan or runner (a test double) skips them."""
     from lily.runtime.arch_report import architecture_report, format_report
 
-    for line in format_report(architecture_report(engine)):
-        log.info("%s", line)
-    if ctx.settings.warmup:
+    if hasattr(engine, "memory_plan"):
+        for line in format_report(architecture_report(engine)):
+            log.info("%s", line)
+    if ctx.settings.warmup and hasattr(engine, "runner"):
         from lily.runtime.warmup import warm_up
 
         if ctx.status == "loading":
