@@ -146,17 +146,17 @@ class MemoryPlan:
 def plan(cfg: ModelConfig, dtype: torch.dtype, *, weights: int, max_context: int, chunk: int,
          kernels: bool, graphs: bool, prefix_cache_bytes: int, device: str = "cpu",
          free: int | None = None, auto: bool = False) -> MemoryPlan:  # fmt: skip
-    """The plan for a context of ``max_context`` tokens (the KV at the capacity it reaches)."""
+    """The plan for a context of ``max_context`` tokens (a full cache holds exactly that:
+    growth stops at the limit)."""
     per_token = kv_bytes_per_token(cfg, dtype)
-    cap = kv_capacity(max_context, max_context)
     one_buffer = per_token // max(1, 2 * len(cfg.attn_layers))
     return MemoryPlan(
         device=device,
         weights=weights,
         kv_per_token=per_token,
         max_context=max_context,
-        kv=per_token * cap,
-        kv_growth=one_buffer * cap,
+        kv=per_token * max_context,
+        kv_growth=one_buffer * max_context,
         states=2 * state_bytes(cfg, dtype),
         scratch=scratch_bytes(cfg, dtype, chunk, kernels, max_context),
         graphs=GRAPH_POOL if kernels and graphs else 0,
