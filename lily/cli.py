@@ -17,7 +17,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--prefill-chunk", type=int, default=EngineConfig.prefill_chunk,
                    help="tokens per prefill chunk")  # fmt: skip
-    p.add_argument("--max-context", type=int, default=262144)
+    p.add_argument("--max-context", type=int, default=None,
+                   help="context window in tokens (default: the largest the free memory "
+                   "allows beside the weights, at most the model's own)")  # fmt: skip
     p.add_argument("--quantize", action="store_true",
                    help="pack a bf16 Hugging Face checkpoint to MLX 4-bit at load")  # fmt: skip
     p.add_argument("--load-mtp", action="store_true", help="also load the mtp.* weights")
@@ -53,6 +55,8 @@ def engine_config(args: argparse.Namespace):
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
     kernels = args.kernels == "on" or (args.kernels == "auto" and device.startswith("cuda"))
+    if args.max_context is not None and args.max_context < 2:
+        raise ValueError(f"--max-context: must be at least 2 tokens, got {args.max_context}")
     return EngineConfig(
         device=device,
         dtype=dtype,

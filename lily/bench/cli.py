@@ -29,6 +29,7 @@ def _source_kw(args: argparse.Namespace) -> dict:
         "dtype": ecfg.dtype,
         "prefill_chunk": ecfg.prefill_chunk,
         "use_kernels": ecfg.use_kernels,
+        "max_context": ecfg.max_context,  # None: the largest the free memory allows
     }
 
 
@@ -117,10 +118,12 @@ def _context_of(source: dict) -> int:
     from lily.config import ModelConfig
 
     if source["kind"] == "dir":
-        return ModelConfig.from_dir(source["path"]).max_position_embeddings
-    from lily.bench.random_model import model_config
+        ctx = ModelConfig.from_dir(source["path"]).max_position_embeddings
+    else:
+        from lily.bench.random_model import model_config
 
-    return model_config(source["name"]).max_position_embeddings
+        ctx = model_config(source["name"]).max_position_embeddings
+    return min(ctx, source.get("max_context") or ctx)
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -148,6 +148,11 @@ def run(plan: BenchPlan) -> dict:
     _log(f"measuring ceilings on {device} ...")
     result["ceilings"] = measure.measure_ceilings(device)
     engine, cfg, params, text_cfg = _build_ours(plan, result)
+    from lily.runtime.arch_report import architecture_report, format_report
+
+    result["arch"] = architecture_report(engine)
+    for line in format_report(result["arch"]):
+        _log(f"lily: {line}")
     limit = engine.max_context - plan.decode_tokens - 1
     if max(plan.lengths) > limit:
         raise ValueError(

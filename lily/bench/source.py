@@ -41,6 +41,7 @@ def engine_config(source: dict) -> EngineConfig:
         dtype=source.get("dtype", "float32"),
         prefill_chunk=source.get("prefill_chunk", EngineConfig.prefill_chunk),
         use_kernels=bool(source.get("use_kernels", False)),
+        max_context=source.get("max_context", 262144),
     )
 
 

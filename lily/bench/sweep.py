@@ -72,6 +72,10 @@ class BenchAdapter:
     def peak_memory(self) -> int | None:
         return None
 
+    def peak_reserved(self) -> int | None:
+        """Peak bytes the allocator held from the device (allocated plus cached)."""
+        return None
+
     def info(self) -> dict:
         return {}
 
@@ -95,6 +99,7 @@ class LilyAdapter(BenchAdapter):
 
     def prefill(self, ids: list[int]) -> int:
         self.state = self.engine.new_state()
+        self.state.reserve(len(ids) + 1)  # as the engine does: one growth for the prompt
         self.ids = list(ids)
         self.logits = self.engine.runner.prefill(self.ids, self.state)
         return int(self.logits.argmax())
@@ -153,6 +158,9 @@ class LilyAdapter(BenchAdapter):
     def peak_memory(self) -> int | None:
         return torch.cuda.max_memory_allocated(self.device) if self.cuda else None
 
+    def peak_reserved(self) -> int | None:
+        return torch.cuda.max_memory_reserved(self.device) if self.cuda else None
+
     def info(self) -> dict:
         ecfg = self.engine.engine_cfg
         return {
@@ -182,6 +190,7 @@ def run_point(eng: BenchAdapter, ids: list[int], n_decode: int, allowance_s: flo
     out = {"length": len(ids), "prefill_s": t1 - t0, "prefill_tok_s": len(ids) / (t1 - t0)}
     out |= _decode(eng, tok, n_decode, t0 + allowance_s)
     out["peak_mem_bytes"] = eng.peak_memory()
+    out["peak_reserved_bytes"] = eng.peak_reserved()
     eng.release()
     return out
 

@@ -18,6 +18,7 @@ from lily.runtime.generate import (
     Usage,
     decode_loop,
 )
+from lily.runtime.memory_plan import engine_plan
 from lily.runtime.prefix_cache import PrefixCache
 from lily.runtime.sampling import SamplingParams
 from lily.runtime.state import SessionState
@@ -51,9 +52,14 @@ class Engine:
         self.model_name = model_name
         self.dtype = DTYPES[engine_cfg.dtype]
         self.model = Model(cfg, params, self.dtype)
-        self.max_context = min(engine_cfg.max_context, cfg.max_position_embeddings)
         self.generation_defaults: dict = dict(tokenizer.generation_config or {})
         self.runner: Runner = make_runner(self.model, engine_cfg)
+        # After the runner (it fuses weights): the context window, from the free memory when
+        # engine_cfg.max_context is None (lily/runtime/memory_plan.py).
+        self.memory_plan = engine_plan(
+            cfg, engine_cfg, self.dtype, params, bool(getattr(self.runner, "use_graphs", False))
+        )
+        self.max_context = self.memory_plan.max_context
         self.last_usage = Usage()
         self.state = self.new_state()  # the working state; the prefix cache owns copies
         self.prefix_cache = PrefixCache(
@@ -174,6 +180,7 @@ class Engine:
             start = 0
         if usage is not None:
             usage.cached_tokens = start
+        self.state.reserve(len(prompt) + 1)  # the whole prompt and the first decode step
         cuts = PrefixCache.snapshot_points(prompt, start, self.boundary_ids) if reuse else []
         chunk = max(1, self.engine_cfg.prefill_chunk)
         pos, logits = start, None

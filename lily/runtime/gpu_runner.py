@@ -177,6 +177,12 @@ class GpuRunner(Runner):
         )  # fmt: skip
         self.use_graphs = use_graphs
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # NOTE: one memory pool for every captured step (each had its own, up to 17, each the
+        # size of a step's temporaries). Safe because steps replay one at a time on one
+        # stream and a step's output is read (decode clones it) before another step replays.
+        self.graph_pool = (
+            torch.cuda.graph_pool_handle() if use_graphs and self.dev.type == "cuda" else None
+        )
         self.tok = torch.zeros(1, dtype=torch.long, device=self.dev)
         self.pos = torch.zeros(1, dtype=torch.int32, device=self.dev)
         if sample_on_device:  # draws write self.tok: the graph's own input for the next step
@@ -427,7 +433,7 @@ class GpuRunner(Runner):
             if sampled:
                 dd.restore(drawn)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, pool=self.graph_pool):
                 out = self._step(state, bucket, sampled)
             state.restore(snap, state.length)
             self.graphs[key] = (graph, out)

@@ -147,10 +147,13 @@ class PrefixCache:
         live, self.live = self.live, None
         if live is None or state.length == 0:
             return
-        n = state.length
+        n = state.length if self.host_budget > 0 else _fitting_length(live, state, self.budget)
+        if n == 0:  # not even its first snapshot fits the budget
+            return
         live.tokens = list(state.tokens[:n])
         live.kv = {i: (c.k[:, :n].clone(), c.v[:, :n].clone()) for i, c in state.kv.items()}
-        live.deltanet = state.snapshot_recurrent()
+        live.deltanet = state.snapshot_recurrent() if n == state.length else live.snaps[n]
+        live.snaps = {p: s for p, s in live.snaps.items() if p < n}
         self.stored.append(live)
         self.evict()
 
@@ -204,6 +207,23 @@ class PrefixCache:
 
     def _live_snap_bytes(self) -> int:
         return sum(_snap_bytes(s) for s in self.live.snaps.values()) if self.live else 0
+
+
+def _fitting_length(live: Entry, state: SessionState, budget: int) -> int:
+    """How much of the live conversation to copy out: all of it, else its latest snapshot
+    whose copy fits ``budget`` on its own, else nothing (0).
+
+    NOTE: copying a conversation the budget cannot hold, only for eviction to drop it, held
+    a second KV cache on the device for a moment (2.5 GiB after a 128K prompt): on a card
+    sized for one, an out-of-memory error at the next request."""
+    per_pos = sum(c.k.shape[0] * c.k.shape[2] * c.k.element_size() * 2 for c in state.kv.values())
+    states = _snap_bytes(state.deltanet)
+    points = sorted((p for p in live.snaps if p < state.length), reverse=True)
+    for n in (state.length, *points):
+        held = sum(_snap_bytes(s) for p, s in live.snaps.items() if p < n)
+        if per_pos * n + states + held <= budget:
+            return n
+    return 0
 
 
 def _to_host(e: Entry) -> None:

@@ -1,7 +1,8 @@
 """The FastAPI app: routes, CORS, OpenAI-shaped errors, start-up and graceful shutdown.
 
 ``lily serve`` (lily/cli.py) calls ``add_serve_args`` and ``run_server``. The engine loads in
-a background thread so ``/health`` answers 503 while it loads; then one worker thread runs
+a background thread so ``/health`` answers 503 while it loads and while its kernels warm up
+(lily/runtime/warmup.py; ``--no-warmup`` skips it); then one worker thread runs
 requests one at a time (serving.py). API keys, body limits and strict JSON are checked in
 front of the app (guard.py). SIGTERM drains: the port closes, requests already accepted
 (running or queued) finish, then the process exits 0.
@@ -67,6 +68,7 @@ class Settings:
     max_request_memory: int | None = None  # bytes; None: what the device or host has free
     drain_timeout: float = 30.0
     thinking_budget: int | None = None  # reasoning tokens before </think> is forced
+    warmup: bool = True  # compile every kernel variant before reporting ready
 
 
 class Context:
@@ -107,6 +109,7 @@ class Context:
         if self.status != "ready" or self.scheduler is None or not self.scheduler.alive:
             msg = {
                 "loading": "the model is still loading",
+                "warming up": "the kernels are still compiling",
                 "draining": "the server is shutting down",
             }.get(self.status, "engine is down")
             raise ApiError(503, msg, type="service_unavailable", headers={"Retry-After": "5"})
@@ -114,7 +117,7 @@ class Context:
 
     def drain(self) -> None:
         """Refuse new requests from now on (the ones accepted still finish)."""
-        if self.status in ("ready", "loading"):
+        if self.status in ("ready", "loading", "warming up"):
             self.status = "draining"
 
 
@@ -137,7 +140,9 @@ def create_app(
     async def lifespan(app: FastAPI):  # noqa: ANN202
         def load() -> None:
             try:
-                ctx.attach(load_engine())
+                engine = load_engine()
+                _start_engine(engine, ctx)
+                ctx.attach(engine)
                 log.info("model ready: %s", ", ".join(ctx.model_names))
             except Exception as e:
                 if isinstance(e, ValueError | OSError):
@@ -270,6 +275,25 @@ def create_app(
     return app
 
 
+def _start_engine(engine: Any, ctx: Context) -> None:
+    """Print the architecture report, then warm the kernels up (/health says "warming up"
+    meanwhile); the report goes to the log, the warm-up's progress bar to stderr. An engine
+    without a memory plan or runner (a test double) skips them."""
+    from lily.runtime.arch_report import architecture_report, format_report
+
+    if hasattr(engine, "memory_plan"):
+        for line in format_report(architecture_report(engine)):
+            log.info("%s", line)
+    if ctx.settings.warmup and hasattr(engine, "runner"):
+        from lily.runtime.warmup import warm_up
+
+        if ctx.status == "loading":
+            ctx.status = "warming up"
+        warm_up(engine, log=lambda m: log.info("%s", m))
+        if ctx.status == "warming up":
+            ctx.status = "loading"  # attach makes it ready
+
+
 def _retry_after(ctx: Context) -> int:
     h = ctx.metrics.histograms["e2e_request_latency_seconds"]
     mean = h.total / h.n if h.n else 1.0
@@ -309,6 +333,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="reasoning tokens after which </think> is forced, when a request "
                    "sets no budget of its own (default: none; with a budget, thinking requests "
                    "sample on the host each step)")  # fmt: skip
+    p.add_argument("--no-warmup", action="store_true",
+                   help="report ready without compiling the kernels first (the first "
+                   "request of each shape then waits for its compiles)")  # fmt: skip
     p.add_argument(
         "--drain-timeout",
         type=float,
@@ -370,6 +397,7 @@ def settings_from_args(
         max_request_memory=None if mem is None else int(mem * (1 << 20)),
         drain_timeout=args.drain_timeout,
         thinking_budget=budget,
+        warmup=not getattr(args, "no_warmup", False),
     )
 
 
