@@ -20,7 +20,7 @@ from jinja2.exceptions import SecurityError, TemplateNotFound
 from lily.runtime.engine import ContextLengthError
 from lily.runtime.sampling import SamplingParams
 from lily.server.grammar import json_grammar, tool_grammar
-from lily.server.limits import check_lengths
+from lily.server.limits import check_lengths, prompt_limit, too_long
 from lily.server.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -34,7 +34,7 @@ from lily.server.protocol import (
 from lily.server.reasoning import prompt_opens_thinking
 from lily.server.responses import ChatOutput, ChunkMaker, LogprobFormatter, chat_delta_json
 from lily.server.serving import Job, events, log_error
-from lily.tokenizer import ChatTemplateError
+from lily.tokenizer import ChatTemplateError, PromptTooLong
 
 log = logging.getLogger("lily.server")
 
@@ -67,6 +67,10 @@ def _sampling(req: SamplingFields, ctx: Any, n_prompt: int, max_tokens: int | No
     else:
         lp = req.logprobs
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    bad = [i for i in req.stop_token_ids or () if not 0 <= i < ctx.vocab_size]
+    if bad:  # as for prompt token ids: an id the model has no row for is the client's error
+        raise bad_request(f"stop_token_ids: token ids must be in [0, {ctx.vocab_size}), "
+                          f"got {bad[0]}", "stop_token_ids")  # fmt: skip
     try:
         params = SamplingParams(
             **kw,
@@ -116,16 +120,18 @@ def prepare_chat(req: ChatCompletionRequest, ctx: Any, request_id: str) -> Prepa
         messages.append(d)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     try:
-        prompt = engine.tokenizer.apply_chat_template(
-            messages, tools=tools, enable_thinking=bool(enable_thinking), **kwargs
-        )
+        prompt, ids = engine.tokenizer.render_chat(
+            messages, tools=tools, enable_thinking=bool(enable_thinking),
+            max_tokens=prompt_limit(ctx), **kwargs
+        )  # fmt: skip
+    except PromptTooLong as e:
+        raise too_long(ctx, e, "messages") from None
     except ChatTemplateError as e:
         if template_at_fault(e):
             log.error("request %s: the chat template failed: %s", request_id, e)
             raise ApiError(500, f"the server's chat template failed: {e}", type="server_error",
                            code="chat_template_error") from None  # fmt: skip
         raise bad_request(str(e), "messages") from None
-    ids = engine.tokenizer.encode(prompt)
     max_tokens = req.max_completion_tokens or req.max_tokens
     params = _sampling(req, ctx, len(ids), max_tokens)
 
@@ -181,7 +187,10 @@ def prepare_completion(req: CompletionRequest, ctx: Any, request_id: str) -> Pre
             raise bad_request("prompt: only one prompt per request is supported", "prompt")
         p = p[0]
     if isinstance(p, str):
-        text, ids = p, ctx.engine.tokenizer.encode(p)
+        try:
+            text, ids = p, ctx.engine.tokenizer.encode(p, max_tokens=prompt_limit(ctx))
+        except PromptTooLong as e:
+            raise too_long(ctx, e, "prompt") from None
     else:
         ids = list(p)
         if any(not isinstance(i, int) or not 0 <= i < ctx.vocab_size for i in ids):
