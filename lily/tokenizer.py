@@ -311,7 +311,9 @@ class Tokenizer:
                 f"the chat template ({origin}) tried an unsafe operation: {e}"
             ) from e
         except Exception as e:  # any template fault is the template's or the input's
-            raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
+            raise ChatTemplateError(
+                f"the chat template ({origin}) failed: {type(e).__name__}: {e}"
+            ) from e
 
 
 class IncrementalDetokenizer:
