@@ -297,6 +297,10 @@ async def _stream_body(p: Prepared, ctx: Any, model: str) -> AsyncIterator[str]:
                         lp = {"tokens": [t], "token_logprobs": [v], "top_logprobs": [top],
                               "text_offset": [0]}  # fmt: skip
                     yield _sse(maker.chunk(text=value.text, logprobs=lp))
+            elif kind == "done" and reason == "cancelled":
+                # Only the server cancels a request whose client is still reading: it is
+                # shutting down (a client that left reads nothing).
+                yield _sse(_cancelled().body())
             elif kind == "done":
                 if p.kind == "chat":
                     d = out.finish()
@@ -363,6 +367,8 @@ async def run_full(p: Prepared, ctx: Any, model: str, receive: Callable) -> dict
                     lps["top_logprobs"].append(top)
                 text += value.text
             elif kind == "done":
+                if reason == "cancelled":  # the server is shutting down (see run_stream)
+                    raise _cancelled()
                 usage = value
     finally:
         watcher.cancel()
