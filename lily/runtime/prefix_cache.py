@@ -173,6 +173,8 @@ class PrefixCache:
             return
         n = state.length
         live.tokens = list(state.tokens[:n])
+        # (a prefill cancelled right at a snapshot leaves one at the end: `deltanet` is it)
+        live.snaps = {p: s for p, s in live.snaps.items() if p < n}
         live.kv = {i: (c.k[:, :n].clone(), c.v[:, :n].clone()) for i, c in state.kv.items()}
         live.deltanet = state.snapshot_recurrent()
         self.stored.append(live)
