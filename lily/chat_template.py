@@ -67,7 +67,7 @@ def _raise_exception(message: str) -> None:
     raise ChatTemplateError(f"chat template rejected the request: {message}")
 
 
-_LOOP, _CONCAT, _SLICE = "__lily_loop", "__lilyconcat", "__lilyslice_of"
+_LOOP, _CONCAT, _SLICE = "__lily_loop", "__lily_concat", "__lily_slice"
 
 
 def _literal_chars(body: list[nodes.Node]) -> int:
@@ -134,12 +134,6 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         active().charge(size(out))
         return out
 
-    def getitem(self, obj: Any, argument: Any) -> Any:
-        out = super().getitem(obj, argument)
-        if isinstance(argument, slice):
-            active().charge(size(out))
-        return out
-
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
         # Jinja's own bookkeeping, not arguments (the context uses them)
         extra = {k: kwargs.pop(k) for k in ("_loop_vars", "_block_vars") if k in kwargs}
@@ -151,10 +145,10 @@ class _Sandbox(ImmutableSandboxedEnvironment):
             # builtin methods (types' own included): only the listed ones, checked
             args = check_method(owner, target.__name__, args, kwargs)
         elif owner is None and not (
-            isinstance(__obj, Macro | LoopContext)
+            isinstance(__obj, Macro | LoopContext | Joiner)
             or any(__obj is g for g in __self.globals.values())
         ):
-            raise SecurityError(f"a chat template may not call {__obj!r}")  # fmt: skip
+            raise SecurityError(f"a chat template may not call {__obj!r}")
         else:
             for a in (*args, *kwargs.values()):
                 check_int(a, getattr(__obj, "__name__", "a call"))

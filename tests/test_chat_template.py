@@ -122,10 +122,12 @@ def test_ordinary_template_features_still_work(tok: Tokenizer) -> None:
         "|{{ 2 ** 10 }}|{{ 'ab' * 3 }}|{{ ('x ' ~ 'y')|replace(' ', '_') }}"
         "|{% for k, v in {'a': 1}.items() %}{{ k }}{{ v }}{% endfor %}"
         "|{{ range(3)|list }}|{{ 'abc'[1:] }}|{{ cycler('p', 'q').next() }}"
+        "|{% set j = joiner(',') %}{% for x in 'ab' %}{{ j() }}{{ x }}{% endfor %}"
+        "|{% macro m(x) %}<{{ x }}{{ caller() }}>{% endmacro %}{% call m(1) %}c{% endcall %}"
     ))  # fmt: skip
     msgs = [{"role": "user", "content": " hi "}, {"role": "user", "content": "yo"}]
     assert t.apply_chat_template(msgs) == (
-        '1:HI 2:YO|2|yo|a-b|k=3|hi!|{\n  "b": 1\n}|1024|ababab|x_y|a1|[0, 1, 2]|bc|p'
+        '1:HI 2:YO|2|yo|a-b|k=3|hi!|{\n  "b": 1\n}|1024|ababab|x_y|a1|[0, 1, 2]|bc|p|a,b|<1c>'
     )
 
 
