@@ -99,7 +99,7 @@ class Engine:
 
     # ---- requests
     def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
-        return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, **kwargs))
+        return self.tokenizer.render_chat(messages, **kwargs)[1]
 
     def new_state(self) -> SessionState:
         return SessionState.new(self.cfg, self.engine_cfg.device, self.dtype, self.max_context)

@@ -50,6 +50,11 @@ from lily.server.serving import QueueFull, Scheduler, log_error
 from lily.server.tokens import detokenize, tokenize
 
 log = logging.getLogger("lily.server")
+# After --drain-timeout the server ends what is left (queued requests get a 503, running
+# ones are cancelled and their streams closed properly); uvicorn cancels tasks only if they
+# are still there this much later.
+_END_GRACE = 10.0
+_JOIN_TIMEOUT = 30.0  # one prefill chunk or decode step, with a wide margin
 
 
 @dataclass
@@ -158,7 +163,11 @@ def create_app(
         threading.Thread(target=load, name="lily-load", daemon=True).start()
         yield
         if ctx.scheduler is not None:
-            ctx.scheduler.stop()
+            # NOTE: joined, not left to die with the process: a daemon thread inside torch
+            # at interpreter exit aborted it ("terminate called without an active
+            # exception", exit status -6).
+            if not await asyncio.to_thread(ctx.scheduler.close, _JOIN_TIMEOUT):
+                log.error("the engine did not stop within %gs", _JOIN_TIMEOUT)
 
     # No /docs or /redoc: they load scripts from a CDN. /openapi.json stays (no secrets).
     app = FastAPI(title="lily", version="0.1.0", lifespan=lifespan, docs_url=None,
@@ -292,6 +301,20 @@ def _start_engine(engine: Any, ctx: Context) -> None:
         warm_up(engine, log=lambda m: log.info("%s", m))
         if ctx.status == "warming up":
             ctx.status = "loading"  # attach makes it ready
+
+
+async def _end_after_drain(ctx: Context, timeout: float) -> None:
+    """Past the drain timeout, end the requests still there ourselves, before uvicorn
+    would cancel their tasks (which cut streams mid-chunk and answered queued requests
+    with a plain-text 500): queued ones get a 503, running ones are cancelled at their
+    next step and their handlers finish the response (an error event, then [DONE])."""
+    await asyncio.sleep(timeout)
+    if ctx.scheduler is not None:
+        running, waiting = ctx.scheduler.busy
+        if running or waiting:
+            log.warning("drain timeout: ending %d running and %d queued request(s)", running,
+                        waiting)  # fmt: skip
+        ctx.scheduler.stop()
 
 
 def _retry_after(ctx: Context) -> int:
@@ -436,9 +459,17 @@ def run_server(args: argparse.Namespace, load_engine: Callable[[], Any] | None =
                          settings.drain_timeout)  # fmt: skip
             super().handle_exit(sig, frame)
 
+        async def shutdown(self, sockets: Any = None) -> None:
+            ender = asyncio.ensure_future(_end_after_drain(ctx, settings.drain_timeout))
+            try:
+                await super().shutdown(sockets)
+            finally:
+                ender.cancel()
+
     app = create_app(load_engine, settings, on_load_failure=stop_on_failure, ctx=ctx)
+    grace = settings.drain_timeout + _END_GRACE
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=settings.drain_timeout)  # fmt: skip
+                            timeout_graceful_shutdown=grace)  # fmt: skip
     server = _Server(config)
     if failed.is_set():
         return 1

@@ -9,6 +9,7 @@ than ``MAX_JSON_DEPTH`` is a 400 before any model code sees it.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
@@ -25,6 +26,7 @@ from lily.server.protocol import ApiError
 # recursion of every later walker (pydantic, Jinja's tojson, llguidance).
 MAX_JSON_DEPTH = 64
 GUARDED = ("/v1", "/tokenize", "/detokenize")  # paths behind the API key and body checks
+_PARSE_IN_THREAD = 1 << 20  # bytes
 _ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:/+=")
 
 
@@ -146,7 +148,10 @@ class Gate:
             return
         try:
             body = await self._read_body(headers, receive)
-            strict_loads(body)
+            if len(body) > _PARSE_IN_THREAD:  # tens of ms per MiB: not on the event loop
+                await asyncio.to_thread(strict_loads, body)
+            else:
+                strict_loads(body)
         except ApiError as e:
             await _respond(e, scope, receive, send_with_id)
             return

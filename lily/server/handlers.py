@@ -21,7 +21,7 @@ from lily.runtime.engine import ContextLengthError
 from lily.runtime.sampling import SamplingParams
 from lily.server.constraints import DecodeSpec, build_processor, parse_logit_bias
 from lily.server.grammar import ConstraintFailed
-from lily.server.limits import check_lengths
+from lily.server.limits import check_lengths, prompt_limit, too_long
 from lily.server.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -37,7 +37,7 @@ from lily.server.protocol import (
 from lily.server.reasoning import prompt_opens_thinking
 from lily.server.responses import ChatOutput, ChunkMaker, LogprobFormatter, chat_delta_json
 from lily.server.serving import Job, events, log_error
-from lily.tokenizer import ChatTemplateError
+from lily.tokenizer import ChatTemplateError, PromptTooLong
 
 log = logging.getLogger("lily.server")
 
@@ -71,6 +71,10 @@ def _sampling(req: SamplingFields, ctx: Any, n_prompt: int, max_tokens: int | No
     else:
         lp = req.logprobs
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    bad = [i for i in req.stop_token_ids or () if not 0 <= i < ctx.vocab_size]
+    if bad:  # as for prompt token ids: an id the model has no row for is the client's error
+        raise bad_request(f"stop_token_ids: token ids must be in [0, {ctx.vocab_size}), "
+                          f"got {bad[0]}", "stop_token_ids")  # fmt: skip
     try:
         params = SamplingParams(
             **kw,
@@ -99,8 +103,9 @@ def render_chat(
     template_kwargs: dict[str, Any] | None,
     request_id: str,
     add_generation_prompt: bool = True,
-) -> tuple[str, Any]:
-    """The prompt text of chat messages, and the ``enable_thinking`` it was rendered with."""
+) -> tuple[str, list[int], Any]:
+    """The prompt text of chat messages, its token ids (special-token text in the messages
+    stays text) and the ``enable_thinking`` it was rendered with."""
     kwargs = {**ctx.default_template_kwargs, **(template_kwargs or {})}
     enable_thinking = kwargs.pop("enable_thinking", True)
     for reserved in ("messages", "tools", "add_generation_prompt"):
@@ -112,17 +117,19 @@ def render_chat(
             d["role"] = "system"
         messages.append(d)
     try:
-        prompt = ctx.engine.tokenizer.apply_chat_template(
+        prompt, ids = ctx.engine.tokenizer.render_chat(
             messages, tools=tools, add_generation_prompt=add_generation_prompt,
-            enable_thinking=bool(enable_thinking), **kwargs,
+            enable_thinking=bool(enable_thinking), max_tokens=prompt_limit(ctx), **kwargs,
         )  # fmt: skip
+    except PromptTooLong as e:
+        raise too_long(ctx, e, "messages") from None
     except ChatTemplateError as e:
         if template_at_fault(e):
             log.error("request %s: the chat template failed: %s", request_id, e)
             raise ApiError(500, f"the server's chat template failed: {e}", type="server_error",
                            code="chat_template_error") from None  # fmt: skip
         raise bad_request(str(e), "messages") from None
-    return prompt, enable_thinking
+    return prompt, ids, enable_thinking
 
 
 def prepare_chat(
@@ -135,12 +142,10 @@ def prepare_chat(
     their budget onto it)."""
     check_request(req)
     check_model(req.model, ctx.model_names)
-    engine = ctx.engine
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-    prompt, enable_thinking = render_chat(
+    prompt, ids, enable_thinking = render_chat(
         ctx, req.messages, tools, req.chat_template_kwargs, request_id
     )
-    ids = engine.tokenizer.encode(prompt)
     max_tokens = req.max_completion_tokens or req.max_tokens
     params = _sampling(req, ctx, len(ids), max_tokens)
 
@@ -203,7 +208,10 @@ def prepare_completion(req: CompletionRequest, ctx: Any, request_id: str) -> Pre
             raise bad_request("prompt: only one prompt per request is supported", "prompt")
         p = p[0]
     if isinstance(p, str):
-        text, ids = p, ctx.engine.tokenizer.encode(p)
+        try:
+            text, ids = p, ctx.engine.tokenizer.encode(p, max_tokens=prompt_limit(ctx))
+        except PromptTooLong as e:
+            raise too_long(ctx, e, "prompt") from None
     else:
         ids = list(p)
         if any(not isinstance(i, int) or not 0 <= i < ctx.vocab_size for i in ids):
@@ -323,6 +331,10 @@ async def _stream_body(p: Prepared, ctx: Any, model: str) -> AsyncIterator[str]:
                         lp = {"tokens": [t], "token_logprobs": [v], "top_logprobs": [top],
                               "text_offset": [0]}  # fmt: skip
                     yield _sse(maker.chunk(text=value.text, logprobs=lp))
+            elif kind == "done" and reason == "cancelled":
+                # Only the server cancels a request whose client is still reading: it is
+                # shutting down (a client that left reads nothing).
+                yield _sse(cancelled_error().body())
             elif kind == "done":
                 if p.kind == "chat":
                     d = out.finish(reason)
@@ -389,6 +401,8 @@ async def run_full(p: Prepared, ctx: Any, model: str, receive: Callable) -> dict
                     lps["top_logprobs"].append(top)
                 text += value.text
             elif kind == "done":
+                if reason == "cancelled":  # the server is shutting down (see run_stream)
+                    raise cancelled_error()
                 usage = value
     finally:
         watcher.cancel()

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from lily.encoding import PromptTooLong
 from lily.runtime.engine import ContextLengthError
 from lily.runtime.memory_plan import (
     MARGIN,
@@ -123,6 +124,29 @@ def _nbytes(fn: Callable[[], int]) -> int:
         return int(fn())
     except Exception:  # noqa: BLE001 - a racing dict change; treat as nothing reusable
         return 0
+
+
+def prompt_limit(ctx: Any) -> int:
+    """The most tokens a prompt may have: --max-prompt-tokens, and one less than the
+    context window (a token must be left to generate)."""
+    cap = ctx.engine.max_context - 1
+    return min(cap, ctx.settings.max_prompt_tokens or cap)
+
+
+def too_long(ctx: Any, e: PromptTooLong, prompt_param: str) -> ApiError:
+    """The 400 for a prompt found over ``prompt_limit`` before it was fully tokenized."""
+    cap = ctx.settings.max_prompt_tokens
+    if cap and e.limit == cap:
+        what = f"This server's maximum prompt length is {cap} tokens"
+    else:
+        what = f"This model's maximum context length is {ctx.engine.max_context} tokens"
+    return ApiError(
+        400,
+        f"{what}. However, your prompt has at least {e.at_least} tokens. Please reduce the "
+        f"length of the {prompt_param}.",
+        param=prompt_param,
+        code="context_length_exceeded",
+    )
 
 
 def check_lengths(ctx: Any, n_prompt: int, max_tokens: int | None, prompt_param: str) -> int | None:

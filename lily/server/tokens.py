@@ -36,11 +36,17 @@ def tokenize(req: TokenizeRequest, ctx: Any, request_id: str) -> dict[str, Any]:
         check_content(req.messages)
         check_tools(req.tools)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        prompt, _ = render_chat(ctx, req.messages, tools, req.chat_template_kwargs, request_id,
-                                add_generation_prompt=req.add_generation_prompt)  # fmt: skip
+        prompt, ids, _ = render_chat(
+            ctx,
+            req.messages,
+            tools,
+            req.chat_template_kwargs,
+            request_id,
+            add_generation_prompt=req.add_generation_prompt,
+        )
     else:
         prompt = req.prompt or ""
-    ids = tok.encode(prompt)
+        ids = tok.encode(prompt)
     strs = None
     if req.return_token_strs:
         # Each token's own text (bytes that are not whole UTF-8 characters show as U+FFFD).

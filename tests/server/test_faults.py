@@ -264,6 +264,60 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(drain_server):
     assert "Traceback" not in s.log_text()
 
 
+def test_sigterm_past_a_short_drain_timeout_ends_requests_cleanly(model_dir, tmp_path):
+    """Issue 19: with --drain-timeout 3, a 3000-token stream was cut mid-chunk (no finish,
+    error event or [DONE]), the queued request got uvicorn's plain-text 500, and the
+    process died of SIGABRT ("terminate called without an active exception")."""
+    argv = [str(ROOT / "tests/server/launch.py"), "--step-delay", "0.02", "serve",
+            "--model", str(model_dir), "--max-context", "4096", "--drain-timeout", "3"]  # fmt: skip
+    s = Server(argv, tmp_path / "short-drain.log")
+    long = {"messages": MSGS, "max_tokens": 3000, "ignore_eos": True}
+    out: dict = {}
+
+    def queued(name: str, stream: bool) -> None:
+        with httpx.Client(base_url=s.url, timeout=60) as c:
+            r = c.post("/v1/chat/completions", json={**long, "stream": stream})
+            out[name] = (r.status_code, r.headers.get("content-type", ""), r.text)
+
+    try:
+        s.health_history()
+        with httpx.Client(base_url=s.url, timeout=60) as c:
+            with c.stream("POST", "/v1/chat/completions", json={**long, "stream": True}) as r:
+                lines = r.iter_lines()
+                got = [next(lines) for _ in range(8)]
+                waiters = [threading.Thread(target=queued, args=(n, n == "stream"))
+                           for n in ("full", "stream")]  # fmt: skip
+                for t in waiters:
+                    t.start()
+                wait_for(lambda: metrics(c)["num_requests_waiting"] == 2)
+                t0 = time.monotonic()
+                s.proc.send_signal(signal.SIGTERM)
+                got += list(lines)
+        for t in waiters:
+            t.join(60)
+        code = s.proc.wait(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        if s.alive():
+            s.stop()
+    events = sse_events("\n".join(got) + "\n\n")  # every line is whole JSON
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["code"] == "cancelled", events[-2]
+    deltas = [e["choices"][0]["delta"] for e in events[1:-2]]
+    assert sum(bool(d.get("content") or d.get("reasoning_content")) for d in deltas) > 10
+    status, ctype, text = out["full"]
+    assert status == 503 and ctype.startswith("application/json"), (status, text)
+    err = json.loads(text)["error"]
+    assert err["code"] == "cancelled" and "shutting down" in err["message"]
+    status, _, text = out["stream"]
+    queued_events = sse_events(text)
+    assert queued_events[-1] == "[DONE]" and queued_events[-2]["error"]["code"] == "cancelled"
+    assert code == 0, s.log_text()[-3000:]
+    assert 3 <= took < 15, took
+    log = s.log_text()
+    assert "terminate called" not in log and "Traceback" not in log, log[-3000:]
+
+
 # ---- broken checkpoints are refused at start, naming the file and the tensor
 def _serve_exits(model: str) -> subprocess.CompletedProcess:
     return subprocess.run(
