@@ -8,23 +8,25 @@ its end moves the latest end seen so far (kernels in start order). Reported per 
 name and per layer kind (the kinds of bench/gpu_profile.py), with the copy-bandwidth floor
 of the step's bytes for scale.
 
-``--variants`` runs the same measurement with runner or kernel switches changed (A/B in
+``--variants`` runs the same measurement with model or kernel switches changed (A/B in
 one process, same host and model): ``pdl_off`` (no programmatic dependent launch) and any
-name given in ``--swap name=module:function@runner_name`` (a stand-in function for one the
-runner calls, e.g. an earlier version of a kernel's launcher kept outside the package).
+name given in ``--swap name=module:function@ops_name`` (a stand-in function for one the
+model's ops call (lily/model/ops.py), e.g. an earlier version of a kernel's launcher kept
+outside the package).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import inspect
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import lily.runtime.gpu_runner as runner_mod
+import lily.model.ops as ops_mod
 from bench.full_model import full_params, kernel_engine, write_json
 from bench.gpu_profile import kind_of
 from lily.bench.measure import pseudo_text_ids, replay_ms
@@ -71,21 +73,23 @@ def timeline(graph) -> dict:
 def variant(name: str, runner, swaps: dict):
     """Switch one thing for the duration of a measurement."""
     undo = []
+    model = runner.model
     if name == "pdl_off":
-        runner.pdl = False
-        undo.append(lambda: setattr(runner, "pdl", True))
+        step_ops = model.step_ops
+        model.step_ops = dataclasses.replace(step_ops, pdl=False)
+        undo.append(lambda: setattr(model, "step_ops", step_ops))
     elif name in swaps:
         spec, attr = swaps[name].split("@")
         mod, fn = spec.split(":")
         new = getattr(importlib.import_module(mod), fn)
-        old = getattr(runner_mod, attr)
+        old = getattr(ops_mod, attr)
         takes_pdl = "pdl" in inspect.signature(new).parameters
 
         def call(*a, pdl=False, _new=new, **kw):  # older launchers may not take pdl
             return _new(*a, pdl=pdl, **kw) if takes_pdl else _new(*a, **kw)
 
-        setattr(runner_mod, attr, call)
-        undo.append(lambda: setattr(runner_mod, attr, old))
+        setattr(ops_mod, attr, call)
+        undo.append(lambda: setattr(ops_mod, attr, old))
     elif name != "current":
         raise SystemExit(f"unknown variant {name!r}")
     try:

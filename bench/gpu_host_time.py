@@ -3,7 +3,7 @@
 With the device asleep the host cannot wait on it, so the time to return from the call is
 the pure cost of enqueueing (Python, Triton's launch path, allocations); a call that
 returns only after the sleep ends contains a host sync. Also: inclusive host time per
-runner op (residual_norm includes its linear) and a cProfile of one enqueue.
+model op (out_norm includes its linear) and a cProfile of one enqueue.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from collections import defaultdict
 
 import torch
 
-import lily.runtime.gpu_runner as gr
+import lily.model.ops as model_ops
 from bench.full_model import full_params, kernel_engine
-from bench.op_hooks import RUNNER_OPS
+from bench.op_hooks import MODEL_OPS
 from lily.bench.measure import env_info, pseudo_text_ids
 
 SLEEP_CYCLES = 3_000_000_000  # about 1.5 s at the H200's clock: longer than any enqueue
@@ -72,10 +72,10 @@ def main() -> None:
         rows = [enqueue(lambda p=points: run(p)) for _ in range(3)]
         out[name] = {"host_s": [round(h, 4) for h, _ in rows],
                      "until_done_s": [round(d, 4) for _, d in rows]}  # fmt: skip
-    # inclusive host time per runner op, device asleep
+    # inclusive host time per model op, device asleep
     spent: dict = defaultdict(float)
     calls: dict = defaultdict(int)
-    saved = {n: getattr(gr, n) for n in RUNNER_OPS}
+    saved = {n: getattr(model_ops, n) for n in MODEL_OPS}
 
     def timed(name, fn):
         def wrap(*a, **k):
@@ -88,10 +88,10 @@ def main() -> None:
         return wrap
 
     for n, fn in saved.items():
-        setattr(gr, n, timed(n, fn))
+        setattr(model_ops, n, timed(n, fn))
     host, _ = enqueue(lambda: run(cuts))
     for n, fn in saved.items():
-        setattr(gr, n, fn)
+        setattr(model_ops, n, fn)
     out["per_op_ms"] = {"total": round(host * 1e3, 2), **{
         n: {"ms": round(spent[n] * 1e3, 2), "calls": calls[n]} for n in spent}}  # fmt: skip
     prof = cProfile.Profile()

@@ -12,7 +12,7 @@ warp MMA counts and the SASS instruction count per kernel (per 4-bit code for qg
 
 Order: the ceilings (device-to-device copy, read-only sum, bf16 matmul), then at the real
 shapes (D=2048, MLX 4-bit group 64, 8-bit routers) every op is checked against the fp32
-reference in lily.ops.ref_linear on fresh random inputs and timed:
+reference in lily.model.ref on fresh random inputs and timed:
 1. qgemv on the projection shapes: CUDA graphs of back-to-back calls over enough weight
    copies to overflow L2 (what a decode step sees), a few tiles per shape; GB/s of the
    bytes that must be read against the copy rate; rows T = 2, 4, 8 against qgemm;
@@ -56,12 +56,12 @@ from triton.testing import do_bench
 
 from lily.bench.measure import attempt, capture_graph, kernel_times
 from lily.model.norm import rms_norm
+from lily.model.ref import ref_moe, ref_qlinear, ref_route
 from lily.ops.moe_decode import MoeDecodeConfig, moe_decode
 from lily.ops.moe_prefill import MoePrefillConfig, moe_prefill, moe_prefill_config
 from lily.ops.qgemm import GemmConfig, gemm_config, qgemm
 from lily.ops.qgemv import GemvConfig, gemv_config, qgemv
 from lily.ops.qgemv_mma import MmaGemvConfig, mma_gemv_config, qgemv_mma
-from lily.ops.ref_linear import ref_moe, ref_qlinear, ref_route
 from lily.ops.rmsnorm import add_rmsnorm, rmsnorm
 from lily.quant import QuantWeight, dequantize, quantize
 

@@ -5,7 +5,7 @@ Run from the repository root on the GPU machine (about 3-4 minutes, most of it c
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 bench/gpu_mixer_kernels.py --out $OUT/mixer.json
 
 Order: the two ceilings (device-to-device copy bandwidth, bf16 matmul rate), then at the
-model's real shapes each op is checked against the fp32 reference in lily.ops.ref_mixer on
+model's real shapes each op is checked against the fp32 reference in lily.model.ref on
 fresh random inputs and timed (CUDA graphs for the decode ops, so launch gaps are those of
 the engine's captured step; ``triton.testing.do_bench`` medians, L2 flushed between runs):
 1. DeltaNet decode step, 30 layers' states (60 MiB) per graph: GB/s against the copy rate;
@@ -34,13 +34,13 @@ import triton
 from triton.testing import do_bench
 
 from lily.bench.measure import attempt, capture_graph, kernel_times
+from lily.model.ref import ref_attention, ref_deltanet
 from lily.ops.attention_decode import attention_decode, default_split
 from lily.ops.attention_prefill import attention_prefill, flash_per_sm, flash_split
 from lily.ops.deltanet_decode import DeltaNetDecodeWorkspace, deltanet_decode
 from lily.ops.deltanet_prefill import deltanet_prefill
 from lily.ops.launch import cdiv
 from lily.ops.norm_rope import rope_inv_freq
-from lily.ops.ref_mixer import ref_attention, ref_deltanet
 
 HK, HV, K, VD, W = 16, 32, 128, 128, 4
 C = 2 * HK * K + HV * VD

@@ -36,6 +36,7 @@ from bench.gpu_linear_kernels import (
 )  # fmt: skip
 from lily.bench.measure import attempt
 from lily.model.norm import rms_norm
+from lily.model.ref import ref_moe, ref_qlinear
 from lily.ops.moe_decode import MoeDecodeConfig, moe_decode
 from lily.ops.moe_prefill import (
     MoePrefillConfig,
@@ -45,7 +46,6 @@ from lily.ops.moe_prefill import (
 )
 from lily.ops.qgemm import GemmConfig, gemm_config, qgemm
 from lily.ops.qgemv import GemvConfig, gemv_config, qgemv
-from lily.ops.ref_linear import ref_moe, ref_qlinear
 
 G = GemmConfig
 GATE_UP = [G(16, 64, 64, 4, 3), G(16, 128, 64, 8, 3), G(16, 64, 128, 4, 4), G(16, 128, 128, 8, 3),

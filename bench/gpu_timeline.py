@@ -17,9 +17,10 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import lily.ops.launch as launch_mod
+import lily.model.ops as model_ops
 import lily.runtime.engine as engine_mod
-import lily.runtime.gpu_runner as runner_mod
+import lily.runtime.runner as runner_mod
+import lily.transfer as transfer_mod
 from bench.full_model import full_params, kernel_engine, write_json
 from bench.multiturn import filler, ttft
 from lily.ops.launch import Launched
@@ -85,11 +86,11 @@ def host_probe(eng) -> tuple[list, callable]:
     wrap(eng.prefix_cache, "acquire", "acquire")
     wrap(eng.runner, "prefill_snapshots", "prefill_snapshots")
     wrap(runner_mod, "to_device", "to_device")
-    wrap(runner_mod, "embedding", "embedding")
+    wrap(model_ops, "embed", "embedding")
     wrap(engine_mod.PrefixCache, "snapshot_points", "snapshot_points")
     wrap(engine_mod.PrefixCache, "resume_point", "resume_point")
     wrap(SessionState, "restore", "restore")
-    wrap(launch_mod.array, "array", "array")
+    wrap(transfer_mod.array, "array", "array")
     wrap(torch.Tensor, "pin_memory", "pin_memory")
     return marks, lambda: [u() for u in reversed(undo)]
 

@@ -1,9 +1,9 @@
-"""The kernel runner's host path of one prefill chunk, on the CPU machine (no GPU).
+"""The kernel path's host work for one prefill chunk, on the CPU machine (no GPU).
 
 What the host does between launches (argument checks, views, allocations, launch keys) sets
 the pace of a reused turn when it falls behind the GPU (bench/gpu_timeline.py). This runs
-``GpuRunner._forward`` for the full model's layer layout and shapes (16 experts instead of
-256, which only the kernel grids see) with every Triton launch replaced by its launch key
+``Model.forward`` on the kernels for the full model's layer layout and shapes (16 experts
+instead of 256, which only the kernel grids see) with every Triton launch replaced by its launch key
 and argument binding, so the time is the host's own work less the driver call. Prints the
 median time per chunk and a cProfile of one.
 """
@@ -24,7 +24,6 @@ from lily.bench.random_model import random_params
 from lily.checkpoint import FULL_TEXT_CONFIG, make_config
 from lily.config import ModelConfig
 from lily.model.model import Model
-from lily.runtime.gpu_runner import GpuRunner
 from lily.runtime.state import SessionState
 
 
@@ -32,6 +31,11 @@ def stub_launches() -> None:
     """Launched.launch keeps its key and argument binding and skips the driver call."""
 
     def launch(self, grid, args, kwargs):
+        if not hasattr(self, "by_value"):  # set up only where a GPU is seen
+            params = self.fn.params
+            self.names = [p.name for p in params]
+            self.defaults = {p.name: p.default for p in params if p.has_default}
+            self.by_value = tuple(p.is_constexpr for p in params)
         key = (0, self._key(args), tuple(sorted(kwargs.items())))
         self.cache.get(key)
         rest = self.names[len(args) :]
@@ -52,9 +56,8 @@ def main() -> None:
     cfg = ModelConfig.from_dict(
         make_config({**FULL_TEXT_CONFIG, "num_experts": 16}, "mlx4", torch.bfloat16)
     )
-    model = Model(cfg, random_params(cfg, "cpu"), torch.bfloat16)
+    model = Model(cfg, random_params(cfg, "cpu"), torch.bfloat16, kernels=True)
     stub_launches()
-    runner = GpuRunner(model, chunk=4096, use_graphs=False, sample_on_device=False)
     state = SessionState.new(cfg, "cpu", torch.bfloat16, 65536)
     for c in state.kv.values():
         c.ensure(args.context + args.tokens)
@@ -62,9 +65,8 @@ def main() -> None:
     cuts = (args.cut,) if args.cut else ()
 
     def chunk():
-        snaps: dict = {}
         with torch.inference_mode():
-            runner._forward(ids, state, args.context, args.context + args.tokens, cuts, snaps)
+            model.forward(ids, state, args.context, args.context + args.tokens, cuts=cuts)
 
     chunk()
     times = []

@@ -1,6 +1,6 @@
-"""Hooks on the kernel runner's ops for the GPU scripts: each op of
-lily/runtime/gpu_runner.py is wrapped so a callback sees its name, arguments and output.
-Used to find the first op that returns a non-finite value and to checksum every op."""
+"""Hooks on the model's ops for the GPU scripts: each op the decoder loop calls
+(lily/model/ops.py) is wrapped so a callback sees its name, arguments and output. Used to
+find the first op that returns a non-finite value and to checksum every op."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ from collections.abc import Callable
 
 import torch
 
-import lily.runtime.gpu_runner as gr
+import lily.model.ops as model_ops
 
-RUNNER_OPS = ("embedding", "linear", "rmsnorm", "residual_norm", "deltanet_prefill",
-              "attention_prefill", "moe")  # fmt: skip
+MODEL_OPS = ("embed", "project", "deltanet", "attention", "out_norm", "moe", "head")
 
 
 def finite(t) -> bool:
@@ -21,9 +20,9 @@ def finite(t) -> bool:
 
 
 def hook_ops(hook: Callable[[str, tuple, object], None]) -> Callable[[], None]:
-    """Call ``hook(name, args, out)`` after every runner op (not while a CUDA graph is being
+    """Call ``hook(name, args, out)`` after every model op (not while a CUDA graph is being
     captured: a host sync there would invalidate the capture). Returns the undo."""
-    saved = {n: getattr(gr, n) for n in RUNNER_OPS}
+    saved = {n: getattr(model_ops, n) for n in MODEL_OPS}
 
     def wrap(name, fn):
         def hooked(*a, **k):
@@ -35,11 +34,11 @@ def hook_ops(hook: Callable[[str, tuple, object], None]) -> Callable[[], None]:
         return hooked
 
     for n, fn in saved.items():
-        setattr(gr, n, wrap(n, fn))
+        setattr(model_ops, n, wrap(n, fn))
 
     def undo() -> None:
         for n, fn in saved.items():
-            setattr(gr, n, fn)
+            setattr(model_ops, n, fn)
 
     return undo
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from lily.ops.ref_linear import ref_qlinear
+from lily.model.ref import ref_qlinear
 from lily.quant import quantize
 from tests.ops.common import rel_err
 

@@ -20,9 +20,9 @@ if not torch.cuda.is_available():
 
 from lily.bench.measure import capture_graph  # noqa: E402
 from lily.model.norm import rms_norm  # noqa: E402
+from lily.model.ref import ref_qlinear  # noqa: E402
 from lily.ops.qgemm import GemmConfig, gemm_config, qgemm  # noqa: E402
 from lily.ops.qgemv import GemvConfig, gemv_config, qgemv  # noqa: E402
-from lily.ops.ref_linear import ref_qlinear  # noqa: E402
 from lily.quant import QuantWeight, quantize  # noqa: E402
 from tests.ops.common import rel_err  # noqa: E402
 
