@@ -22,8 +22,8 @@ from lily.bench.measure import capture_graph, replay_ms
 from lily.ops.launch import cdiv, pdl_launch, pow2
 from lily.ops.qgemv import pdl_wait
 from lily.ops.qgemv_mma import (
-    _PAIR_MASK,
-    _TERMS,
+    PAIR_MASK,
+    X_TERMS,
     mma_dot,
     mma_gemv_config,
     mma_tile,
@@ -121,8 +121,8 @@ def traced_gemv(x, w, trace, *, norm_weight=None, residual=None, eps=1e-6, pdl=F
     _traced_gemv_kernel[(grid,)](
         x, w.qweight, w.scales, w.biases, norm_weight if norm_weight is not None else x,
         residual if residual is not None else out, out, trace, n, w.qweight.stride(0),
-        w.scales.stride(0), _PAIR_MASK, float(eps),
-        GROUP=w.group_size, NG=ng, G=g, BLOCK_N=cfg.block_n, W=warps, TERMS=_TERMS[x.dtype],
+        w.scales.stride(0), PAIR_MASK, float(eps),
+        GROUP=w.group_size, NG=ng, G=g, BLOCK_N=cfg.block_n, W=warps, TERMS=X_TERMS[x.dtype],
         HAS_NORM=norm_weight is not None, HAS_RES=residual is not None,
         EVEN_N=n % cfg.block_n == 0, EVEN_K=g == ng, ON_CPU=on_cpu, PDL=pdl, FINE=fine,
         X_FIRST=x_first,

@@ -12,17 +12,15 @@ import math
 import sys
 from pathlib import Path
 
+from lily.engine_args import add_engine_args, engine_config
+
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    from lily.cli import _engine_args
-
     if "--device" not in p._option_string_actions:
-        _engine_args(p)
+        add_engine_args(p)
 
 
 def _source_kw(args: argparse.Namespace) -> dict:
-    from lily.cli import engine_config
-
     ecfg = engine_config(args)
     return {
         "device": ecfg.device,
@@ -192,7 +190,7 @@ def run_compare(args: argparse.Namespace) -> int:
         peers.check_available(args.reference)
         ref = peers.load_adapter(args.reference, ref_source)
     except Exception as e:  # a missing or broken reference: one line, not a traceback
-        print(f"lily compare: error: reference {args.reference}: {peers._one_line(e)}",
+        print(f"lily compare: error: reference {args.reference}: {peers.one_line(e)}",
               file=sys.stderr)  # fmt: skip
         return 2
     res = compare.run_compare(LilyAdapter(engine), ref, ids[: positions + 1], positions)

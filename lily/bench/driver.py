@@ -241,7 +241,7 @@ def _warm_and_sweep(
                 w = s.handle.call("warmup", prompts(n)[::-1], decode, timeout=1800)
             s.rate, s.last_len = w["prefill_tok_s"], sizes[-1]
         except Exception as e:
-            s.failed = f"warm-up failed: {peers._one_line(e)}"
+            s.failed = f"warm-up failed: {peers.one_line(e)}"
             s.handle.close()
             _log(f"{s.name}: {s.failed} (skipped)")
             result["notes"].append(f"{s.name}: {s.failed}")

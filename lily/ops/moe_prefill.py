@@ -32,12 +32,12 @@ import triton
 import triton.language as tl
 
 from lily.ops.launch import cdiv, check_weight, check_x, launched, mask_lo, pow2
-from lily.ops.moe_decode import _check_moe_weights, _check_shared
+from lily.ops.moe_decode import check_moe_weights, check_shared
 from lily.ops.moe_decode_parts import topk_rows
 from lily.ops.qgemm import (
     GemmConfig,
-    _launch_qgemm,
     block_m_for,
+    launch_qgemm,
     load_dequant,
     mma,
 )
@@ -351,11 +351,11 @@ def moe_prefill(
     host of a reused turn 40-90 us).
     """
     name = "moe_prefill"
-    e, i, d = _check_moe_weights(gate, up, down, name)
+    e, i, d = check_moe_weights(gate, up, down, name)
     check_weight(router, f"{name}: router", 2)
     if tuple(router.shape) != (e, d):
         raise ValueError(f"{name}: router {router.shape} must be (E, D) = ({e}, {d})")
-    i_s = _check_shared(shared_gate, shared_up, shared_down, shared_expert_gate, gate, d, name)
+    i_s = check_shared(shared_gate, shared_up, shared_down, shared_expert_gate, gate, d, name)
     check_x(x, d, name, gate.device)
     if x.dim() != 2:
         raise ValueError(f"{name}: x must be (T, D), got {tuple(x.shape)}")
@@ -384,7 +384,7 @@ def moe_prefill(
 
     # 1-2. router logits, top-k, weights, ranks inside each expert.
     logits = torch.empty((t, e), dtype=torch.float32, device=dev)
-    _launch_qgemm(x, router, logits, router_gemm_config(t, router.group_size), split_w=True)
+    launch_qgemm(x, router, logits, router_gemm_config(t, router.group_size), split_w=True)
     ids = torch.empty((t, top_k), dtype=torch.int32, device=dev)
     rank = torch.empty((t, top_k), dtype=torch.int32, device=dev)
     wts = torch.empty((t, ks), dtype=torch.float32, device=dev)

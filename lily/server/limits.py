@@ -4,12 +4,12 @@ A request whose KV cache and state would not fit in memory is refused before it 
 
 A request that runs out of device memory halfway wastes the work done and, on a CPU host,
 invites the kernel's OOM killer, which takes the whole server down. So each request's
-memory is estimated from the model config before it is queued: K/V caches grow by doubling
-(lily/runtime/state.py), the DeltaNet states are fixed, and a prefill chunk needs
-activations. It is compared with what is free: on a GPU, free device memory plus what
-PyTorch holds in reserve plus the working state (reused by the next request), less what
-the prefix cache may take meanwhile (a copy of that state and a few snapshots, within its
-budget) and a margin; on a CPU, MemAvailable from /proc/meminfo likewise.
+memory is estimated by the runtime before it is queued (lily/runtime/memory.py: K/V caches
+as the session state grows them, the DeltaNet states, a prefill chunk's activations). It is
+compared with what is free: on a GPU, free device memory plus what PyTorch holds in reserve
+plus the working state (reused by the next request), less what the prefix cache may take
+meanwhile (a copy of that state and a few snapshots, within its budget) and a margin; on a
+CPU, MemAvailable from /proc/meminfo likewise.
 ``--max-request-memory-mb`` caps it further (the only limit where neither reading works).
 The estimate is deliberately simple; a request that still runs out of device memory is
 caught as an engine error (serving.py, a 503), not a crash.
@@ -18,71 +18,17 @@ caught as an engine error (serving.py, a 503), not a crash.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from lily.runtime.engine import ContextLengthError
+from lily.runtime.memory import Estimate, estimate, kv_capacity  # noqa: F401 - re-exported
 from lily.server.protocol import ApiError, bad_request
 
 MiB = 1 << 20
 _SAFETY = 256 * MiB  # allocator fragmentation, CUDA graphs, sampler and grammar buffers
-_SCORE_ELEMS = 1 << 26  # the reference attention's score block (lily/model/attention.py)
-_FIRST_CAPACITY = 256  # SessionState.new's initial KV capacity
 _SNAPSHOTS = 8  # turn-start snapshots one request is assumed to save
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """Bytes one request needs, by part."""
-
-    kv: int  # K/V caches at their final capacity
-    kv_growth: int  # the old buffer held while one layer's cache doubles
-    recurrent: int  # DeltaNet conv and recurrent states
-    workspace: int  # activations of one prefill chunk
-
-    @property
-    def total(self) -> int:
-        return self.kv + self.kv_growth + self.recurrent + self.workspace
-
-
-def kv_capacity(n_prompt: int, n_total: int, chunk: int, limit: int) -> int:
-    """The K/V capacity a fresh state reaches for ``n_total`` tokens (as KVCache.ensure)."""
-    cap = min(_FIRST_CAPACITY, limit)
-    ends = [*range(min(chunk, n_prompt), n_prompt, chunk), n_prompt]
-    for end in ends:
-        if end > cap:
-            cap = min(max(end, 2 * cap), limit)
-    while cap < n_total:  # decode: one token at a time, so plain doubling
-        cap = min(2 * cap, limit)
-    return cap
-
-
-def estimate(cfg: Any, dtype: torch.dtype, n_prompt: int, n_total: int, chunk: int,
-             limit: int, kernels: bool) -> Estimate:  # fmt: skip
-    """What a request of ``n_prompt`` prompt tokens growing to ``n_total`` needs."""
-    es = torch.empty((), dtype=dtype).element_size()
-    cap = kv_capacity(n_prompt, n_total, chunk, limit)
-    per_pos = 2 * cfg.num_key_value_heads * cfg.head_dim * es  # K and V, one layer
-    n_attn = len(cfg.attn_layers)
-    kv = per_pos * cap * n_attn
-    # NOTE: growing one layer's cache briefly holds the old and the new buffer.
-    growth = per_pos * (cap // 2)
-    conv = (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * es
-    rec = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-    recurrent = (conv + rec) * len(cfg.linear_layers)
-    t = min(chunk, n_prompt)
-    widths = (
-        4 * cfg.hidden_size  # residual, normed input, mixer and MoE outputs
-        + 2 * cfg.conv_dim  # DeltaNet projections before and after the conv
-        + 2 * cfg.num_attention_heads * cfg.head_dim  # gated queries
-        + 3 * cfg.num_experts_per_tok * cfg.moe_intermediate_size  # routed gate/up/act
-    )
-    workspace = t * widths * 4 + 2 * cfg.vocab_size * 4  # and the last token's fp32 logits
-    if not kernels:  # the reference attention materializes a bounded fp32 score block
-        workspace += 2 * min(_SCORE_ELEMS, cfg.num_attention_heads * t * n_total) * 4
-    return Estimate(kv=kv, kv_growth=growth, recurrent=recurrent, workspace=workspace)
 
 
 def _meminfo_available() -> int | None:
