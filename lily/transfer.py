@@ -15,10 +15,11 @@ def to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> to
 
     NOTE: ``torch.tensor(values, device="cuda")`` copies from pageable memory, which waits
     for the device to finish the work already queued: called inside a prefill it drained
-    the queue and the host could never run ahead of the GPU (lily.bench.gpu host_time).
-    A pinned copy with non_blocking does not wait; torch keeps the pinned block until the
-    copy is done. The list goes through ``array`` (one C loop): ``torch.tensor`` of a
-    1,128-id prompt took 82 us on the CPU machine, the array 24 us."""
+    the queue and the host could never run ahead of the GPU
+    (lily/bench/gpu/diagnostics/host_time.py). A pinned copy with non_blocking does not
+    wait; torch keeps the pinned block until the copy is done. The list goes through
+    ``array`` (one C loop): ``torch.tensor`` of a 1,128-id prompt took 82 us on the CPU
+    machine, the array 24 us."""
     code = _ARRAY_CODES.get(dtype)
     if code is None or not values:
         t = torch.tensor(values, dtype=dtype)

@@ -65,6 +65,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-tokens", type=int, default=2048,
                    help="prompt tokens of the expert-load histogram")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="weights and prompt ids")
+    p.add_argument("--run", metavar="NAME",
+                   help="instead of the sweep, run one GPU script of lily.bench.gpu with the "
+                        "arguments after --: e.g. kernels (the kernel benchmarks, merged), "
+                        "kernels.linear, diagnostics.kernel_profile; 'list' names them "
+                        "all")  # fmt: skip
+    p.add_argument("script_args", nargs="*", metavar="-- ARGS", help="arguments for --run")
 
 
 def bench_plan(args: argparse.Namespace):
@@ -122,7 +128,14 @@ def _context_of(source: dict) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    """``lily bench``: run the sweep and write JSON, Markdown and PNG."""
+    """``lily bench``: run the sweep and write JSON, Markdown and PNG (or, with ``--run``,
+    one GPU script)."""
+    if args.run:
+        from lily.bench import gpu
+
+        return gpu.run(args.run, args.script_args)
+    if args.script_args:
+        raise ValueError(f"unexpected arguments {args.script_args} (they belong after --run)")
     from lily.bench import driver, report
 
     plan = bench_plan(args)

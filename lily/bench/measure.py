@@ -264,7 +264,7 @@ def expert_load(engine, ids: list[int]) -> dict:
     }
 
 
-# ---- kernel benchmark helpers (bench/gpu_*_kernels.py)
+# ---- kernel benchmark helpers (lily/bench/gpu/kernels/*.py)
 
 
 def attempt(rows: list[dict], base: dict, fn) -> None:

@@ -31,8 +31,9 @@ def no_gc():
 
     NOTE: the host enqueues a reused turn's ~800 launches barely ahead of the GPU (28-32 ms
     against 45 ms of kernels, less at the start), so a collector pass in the middle shows
-    up as idle GPU time (lily.bench.gpu timeline: 1.9 ms of gaps over 20 us). The launches
-    make tuples, not cycles: nothing is left for the collector that refcounting misses."""
+    up as idle GPU time (lily/bench/gpu/diagnostics/timeline.py: 1.9 ms of gaps over
+    20 us). The launches make tuples, not cycles: nothing is left for the collector that
+    refcounting misses."""
     enabled = gc.isenabled()
     gc.disable()
     try:

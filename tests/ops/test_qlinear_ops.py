@@ -210,7 +210,7 @@ def test_qgemm_empty_and_table(device):
 def test_qgemm_table_tiles_repeat_exactly():
     """The table's tiles at the prefill chunk's largest shapes give the same bits on every
     run. With three pipeline stages the 128 x 128 (8 warps) tile returned garbage in about
-    1 run of 300 here on the H200 (bench/gpu_kernel_repeat.py); 2,000 runs would catch
+    1 run of 300 here on the H200 (lily/bench/gpu/kernels/repeat.py); 2,000 runs would catch
     that rate all but surely."""
     gen = torch.Generator().manual_seed(6)
     w = _weight(8192, 2048, 4, 64, "cuda", gen)

@@ -21,8 +21,8 @@ import lily.model.ops as model_ops
 import lily.runtime.engine as engine_mod
 import lily.runtime.runner as runner_mod
 import lily.transfer as transfer_mod
-from bench.full_model import full_params, kernel_engine, write_json
-from bench.multiturn import filler, ttft
+from lily.bench.gpu.e2e.multiturn import filler, ttft
+from lily.bench.gpu.full_model import full_params, kernel_engine, write_json
 from lily.ops.launch import Launched
 from lily.runtime.sampling import SamplingParams
 from lily.runtime.state import SessionState

@@ -1,11 +1,12 @@
 """The kernel path's host work for one prefill chunk, on the CPU machine (no GPU).
 
 What the host does between launches (argument checks, views, allocations, launch keys) sets
-the pace of a reused turn when it falls behind the GPU (bench/gpu_timeline.py). This runs
-``Model.forward`` on the kernels for the full model's layer layout and shapes (16 experts
-instead of 256, which only the kernel grids see) with every Triton launch replaced by its launch key
-and argument binding, so the time is the host's own work less the driver call. Prints the
-median time per chunk and a cProfile of one.
+the pace of a reused turn when it falls behind the GPU
+(lily/bench/gpu/diagnostics/timeline.py). This runs ``Model.forward`` on the kernels for
+the full model's layer layout and shapes (16 experts instead of 256, which only the kernel
+grids see) with every Triton launch replaced by its launch key and argument binding, so the
+time is the host's own work less the driver call. Prints the median time per chunk and a
+cProfile of one.
 """
 
 from __future__ import annotations

@@ -149,11 +149,11 @@ def barrier_rows(rounds: int) -> list[dict]:
 
 
 def main() -> None:
-    from bench.full_model import write_json  # here: the tests load this file by its path
+    from lily.bench.gpu.full_model import write_json
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernels", type=int, default=200)
-    ap.add_argument("--out", default="bench/results/launch_floor.json")
+    ap.add_argument("--out", help="JSON results path")
     args = ap.parse_args()
     rows = chain_rows(args.kernels) + barrier_rows(args.kernels)
     write_json(args.out, args, results=rows)

@@ -2,7 +2,7 @@
 
 Run from the repository root on the GPU machine (about 3-4 minutes, most of it compiling):
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 bench/gpu_mixer_kernels.py --out $OUT/mixer.json
+    PYTHONUNBUFFERED=1 python -m lily.bench.gpu.kernels.mixer --out $OUT/mixer.json
 
 Order: the two ceilings (device-to-device copy bandwidth, bf16 matmul rate), then at the
 model's real shapes each op is checked against the fp32 reference in lily.model.ref on
@@ -498,7 +498,7 @@ def breakdowns(rows: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/gpu_mixer_kernels.json", help="JSON results path")
+    ap.add_argument("--out", default="mixer_kernels.json", help="JSON results path")
     ap.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections")
     ap.add_argument(
         "--compile-only",

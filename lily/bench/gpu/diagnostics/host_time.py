@@ -19,8 +19,8 @@ from collections import defaultdict
 import torch
 
 import lily.model.ops as model_ops
-from bench.full_model import full_params, kernel_engine
-from bench.op_hooks import MODEL_OPS
+from lily.bench.gpu.full_model import full_params, kernel_engine
+from lily.bench.gpu.op_hooks import MODEL_OPS
 from lily.bench.measure import env_info, pseudo_text_ids
 
 SLEEP_CYCLES = 3_000_000_000  # about 1.5 s at the H200's clock: longer than any enqueue

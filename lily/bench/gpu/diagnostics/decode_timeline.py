@@ -5,8 +5,8 @@ length: the step's device time (graph replays timed with CUDA events, median), t
 replay under torch.profiler. With programmatic dependent launch the kernels overlap, so a
 kernel's duration says little; what each adds to the step is its *exposed* time: how far
 its end moves the latest end seen so far (kernels in start order). Reported per kernel
-name and per layer kind (the kinds of bench/gpu_profile.py), with the copy-bandwidth floor
-of the step's bytes for scale.
+name and per layer kind (the kinds of lily/bench/gpu/diagnostics/kernel_profile.py), with
+the copy-bandwidth floor of the step's bytes for scale.
 
 ``--variants`` runs the same measurement with model or kernel switches changed (A/B in
 one process, same host and model): ``pdl_off`` (no programmatic dependent launch) and any
@@ -27,8 +27,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import lily.model.ops as ops_mod
-from bench.full_model import full_params, kernel_engine, write_json
-from bench.gpu_profile import kind_of
+from lily.bench.gpu.diagnostics.kernel_profile import kind_of
+from lily.bench.gpu.full_model import full_params, kernel_engine, write_json
 from lily.bench.measure import pseudo_text_ids, replay_ms
 
 

@@ -3,7 +3,7 @@
 Run from the repository root on the GPU machine (about 4-5 minutes, most of it compiling;
 ``--quick`` skips the tile sweeps: under 3 minutes):
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 bench/gpu_linear_kernels.py --quick \
+    PYTHONUNBUFFERED=1 python -m lily.bench.gpu.kernels.linear --quick \
         --out $OUT/linear.json
 
 Without a GPU, ``--compile-only`` compiles the same configurations (of the ``--only``
@@ -905,7 +905,7 @@ def main() -> None:
             json.dump({"compile_only": rows}, f, indent=1)
         return
     if not torch.cuda.is_available():
-        sys.exit("bench/gpu_linear_kernels.py needs a CUDA GPU")
+        sys.exit("lily/bench/gpu/kernels/linear.py needs a CUDA GPU")
     t0 = time.time()
     gen = torch.Generator(device=DEV).manual_seed(args.seed)
     try:

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from bench.full_model import full_params, kernel_engine, write_json
-from bench.op_hooks import first_nonfinite, hook_ops
+from lily.bench.gpu.full_model import full_params, kernel_engine, write_json
+from lily.bench.gpu.op_hooks import first_nonfinite, hook_ops
 from lily.runtime.sampling import SamplingParams
 
 

@@ -10,8 +10,8 @@ import json
 
 import torch
 
-from bench.full_model import FULL, full_params, kernel_engine
-from bench.op_hooks import hook_ops
+from lily.bench.gpu.full_model import FULL, full_params, kernel_engine
+from lily.bench.gpu.op_hooks import hook_ops
 from lily.bench.measure import pseudo_text_ids
 
 

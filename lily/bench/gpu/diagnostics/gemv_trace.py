@@ -3,7 +3,7 @@
 qgemv_mma's kernel body (the same jit helpers, the same tile table) with ``%globaltimer``
 read at four points of every program: entry, its weight loads issued, past the PDL wait,
 and after its store; plus the SM it ran on. A CUDA graph of back-to-back calls over distinct
-weights (as bench/gpu_linear_kernels.py's floors) is replayed, and for each call against the
+weights (as lily/bench/gpu/kernels/linear.py's floors) is replayed, and for each call against the
 one before it this reports: how many of its programs started before the previous call's
 last program ended (the ones whose weight loads could overlap it), how long after that end
 its wait returned (the link), how long its programs ran past their wait, and the period.
@@ -169,11 +169,11 @@ def analyse(traces: list[torch.Tensor], fine: bool) -> dict:
 
 
 def main() -> None:
-    from bench.full_model import write_json  # here: the tests load this file by its path
-    from bench.gpu_linear_kernels import norm_weight, weight_copies
+    from lily.bench.gpu.full_model import write_json
+    from lily.bench.gpu.kernels.linear import norm_weight, weight_copies
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/results/gemv_trace.json")
+    ap.add_argument("--out", help="JSON results path")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     nw = norm_weight(gen)

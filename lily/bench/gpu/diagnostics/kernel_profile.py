@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from bench.full_model import full_params, kernel_engine
-from bench.op_hooks import first_nonfinite, hook_ops
+from lily.bench.gpu.full_model import full_params, kernel_engine
+from lily.bench.gpu.op_hooks import first_nonfinite, hook_ops
 from lily.bench.measure import env_info, kernel_times, pseudo_text_ids
 
 # Kernel name fragments -> what they belong to (first match wins).

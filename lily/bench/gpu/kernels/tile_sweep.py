@@ -1,11 +1,11 @@
 """Tile sweep for the kernels that carry most of the time (one GPU call, about 4 minutes).
 
-bench/gpu_profile.py shows where prefill and decode spend their time: the MoE grouped GEMMs
-(half of prefill), the dense qgemm, and in decode the projection GEMVs and moe_decode. This
-tries tiles beyond each table's choice at the shapes the runner uses and prints the best
-per shape, every configuration checked against the fp32 reference first. Decode kernels are
-timed in CUDA graphs over enough weight copies to stream from HBM; prefill kernels with
-``do_bench`` (L2 flushed). Writes JSON to --out.
+lily/bench/gpu/diagnostics/kernel_profile.py shows where prefill and decode spend their
+time: the MoE grouped GEMMs (half of prefill), the dense qgemm, and in decode the projection
+GEMVs and moe_decode. This tries tiles beyond each table's choice at the shapes the runner
+uses and prints the best per shape, every configuration checked against the fp32 reference
+first. Decode kernels are timed in CUDA graphs over enough weight copies to stream from HBM;
+prefill kernels with ``do_bench`` (L2 flushed). Writes JSON to --out.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from functools import partial
 
 import torch
 
-from bench.gpu_linear_kernels import (
+from lily.bench.gpu.kernels.linear import (
     BF16,
     DEV,
     EPS,
@@ -113,7 +113,7 @@ def route_rows(ceil, w, gen, moe_t=MOE_T) -> list[dict]:
 
     rows: list[dict] = []
     args = list(w.values())
-    keep = mp._BLOCK_T
+    keep = mp.ROUTE_BLOCK_T
     for t in moe_t:
         x = torch.randn(t, D, generator=gen, device=DEV).to(BF16)
         res = torch.randn(t, D, generator=gen, device=DEV).to(BF16)
@@ -125,12 +125,12 @@ def route_rows(ceil, w, gen, moe_t=MOE_T) -> list[dict]:
                 err = rel(fn()[:64], ref)  # noqa: B023
                 return {"rel_err": err, "us": bench_ms(fn) * 1e3}
 
-            mp._BLOCK_T = bt
+            mp.ROUTE_BLOCK_T = bt
             try:
                 attempt(rows, {"op": "moe_prefill route", "T": t, "config": f"block_t {bt}"},
                         point)  # fmt: skip
             finally:
-                mp._BLOCK_T = keep
+                mp.ROUTE_BLOCK_T = keep
     return rows
 
 

@@ -13,8 +13,8 @@ import json
 
 import torch
 
-from bench.full_model import full_params, kernel_engine, write_json
-from bench.op_hooks import first_nonfinite, hook_ops
+from lily.bench.gpu.full_model import full_params, kernel_engine, write_json
+from lily.bench.gpu.op_hooks import first_nonfinite, hook_ops
 
 
 def poison_free_memory(frac: float = 0.6) -> None:
