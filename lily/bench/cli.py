@@ -12,17 +12,15 @@ import math
 import sys
 from pathlib import Path
 
+from lily.engine_args import add_engine_args, engine_config
+
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    from lily.cli import _engine_args
-
     if "--device" not in p._option_string_actions:
-        _engine_args(p)
+        add_engine_args(p)
 
 
 def _source_kw(args: argparse.Namespace) -> dict:
-    from lily.cli import engine_config
-
     ecfg = engine_config(args)
     return {
         "device": ecfg.device,
@@ -68,6 +66,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-tokens", type=int, default=2048,
                    help="prompt tokens of the expert-load histogram")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="weights and prompt ids")
+    p.add_argument("--run", metavar="NAME",
+                   help="instead of the sweep, run one GPU script of lily.bench.gpu with the "
+                        "arguments after --: e.g. kernels (the kernel benchmarks, merged), "
+                        "kernels.linear, diagnostics.kernel_profile; 'list' names them "
+                        "all")  # fmt: skip
+    p.add_argument("script_args", nargs="*", metavar="-- ARGS", help="arguments for --run")
 
 
 def bench_plan(args: argparse.Namespace):
@@ -127,7 +131,14 @@ def _context_of(source: dict) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    """``lily bench``: run the sweep and write JSON, Markdown and PNG."""
+    """``lily bench``: run the sweep and write JSON, Markdown and PNG (or, with ``--run``,
+    one GPU script)."""
+    if args.run:
+        from lily.bench import gpu
+
+        return gpu.run(args.run, args.script_args)
+    if args.script_args:
+        raise ValueError(f"unexpected arguments {args.script_args} (they belong after --run)")
     from lily.bench import driver, report
 
     plan = bench_plan(args)
@@ -195,7 +206,7 @@ def run_compare(args: argparse.Namespace) -> int:
         peers.check_available(args.reference)
         ref = peers.load_adapter(args.reference, ref_source)
     except Exception as e:  # a missing or broken reference: one line, not a traceback
-        print(f"lily compare: error: reference {args.reference}: {peers._one_line(e)}",
+        print(f"lily compare: error: reference {args.reference}: {peers.one_line(e)}",
               file=sys.stderr)  # fmt: skip
         return 2
     res = compare.run_compare(LilyAdapter(engine), ref, ids[: positions + 1], positions)

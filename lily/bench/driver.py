@@ -85,7 +85,10 @@ def _build_ours(plan: BenchPlan, result: dict):
         engine = lily_engine(src)
         sync()
         result["model"]["load_s"] = time.perf_counter() - t0
-        cfg, params, text_cfg = engine.cfg, engine.model.params, None
+        cfg, text_cfg = engine.cfg, None
+    # The engine's own weights from here on (the input projections are views of its fused
+    # ones): the separate copies the random build made can go.
+    params = engine.model.params()
     result["model"]["weight_bytes"] = params_nbytes(params)
     _log(f"lily: {describe(src)}: {params_nbytes(params) / 1e9:.2f} GB of weights on "
          f"{src['device']} in {time.perf_counter() - t0:.1f} s")  # fmt: skip
@@ -105,7 +108,7 @@ def _disk_round_trip(plan: BenchPlan, cfg, params, text_cfg, result: dict) -> st
     loaded = lily_engine(dir_source(d, **same_settings))
     measure.sync(plan.source["device"])
     result["model"]["disk_load_s"] = time.perf_counter() - t0
-    same = fingerprint(loaded.model.params) == fingerprint(params)
+    same = fingerprint(loaded.model.params()) == fingerprint(params)
     result["model"]["disk_identical_bytes"] = same
     _log(
         f"disk: wrote {d} in {result['model']['disk_write_s']:.1f} s, Engine.load "
@@ -244,7 +247,7 @@ def _warm_and_sweep(
                 w = s.handle.call("warmup", prompts(n)[::-1], decode, timeout=1800)
             s.rate, s.last_len = w["prefill_tok_s"], sizes[-1]
         except Exception as e:
-            s.failed = f"warm-up failed: {peers._one_line(e)}"
+            s.failed = f"warm-up failed: {peers.one_line(e)}"
             s.handle.close()
             _log(f"{s.name}: {s.failed} (skipped)")
             result["notes"].append(f"{s.name}: {s.failed}")

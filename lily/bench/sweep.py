@@ -83,19 +83,12 @@ class BenchAdapter:
 class LilyAdapter(BenchAdapter):
     """Our engine through ``engine.runner``: whichever path the engine uses is measured."""
 
-    def __init__(self, engine, name: str = "lily", score_via_runner: bool | None = None):
-        from lily.runtime.generate import ReferenceRunner
-
+    def __init__(self, engine, name: str = "lily"):
         self.engine = engine
         self.name = name
         self.device = str(engine.model.device)
         self.cuda = torch.device(self.device).type == "cuda"
         self.state = None
-        # NOTE: engine.score is the reference forward; a kernel runner gives only the last
-        # position's logits, so it is scored by teacher-forced decode steps instead.
-        if score_via_runner is None:
-            score_via_runner = not isinstance(engine.runner, ReferenceRunner)
-        self.score_via_runner = score_via_runner
 
     def prefill(self, ids: list[int]) -> int:
         self.state = self.engine.new_state()
@@ -135,13 +128,7 @@ class LilyAdapter(BenchAdapter):
             steps.close()
 
     def score(self, ids: list[int]) -> torch.Tensor:
-        if not self.score_via_runner:
-            return self.engine.score(list(ids)).float()
-        runner, state = self.engine.runner, self.engine.new_state()
-        out = [runner.prefill(list(ids[:1]), state).float().cpu()]
-        for t in ids[1:]:
-            out.append(runner.decode(int(t), state).float().cpu())
-        return torch.stack(out)
+        return self.engine.score(list(ids)).float()
 
     def sync(self) -> None:
         sync(self.device)
@@ -166,8 +153,7 @@ class LilyAdapter(BenchAdapter):
         return {
             "device": self.device,
             "dtype": ecfg.dtype,
-            "runner": type(self.engine.runner).__name__,
-            "scored_by": "runner decode steps" if self.score_via_runner else "reference forward",
+            "runner": "kernels" if self.engine.model.kernels else "reference ops",
             "use_kernels": ecfg.use_kernels,
             "prefill_chunk": ecfg.prefill_chunk,
         }

@@ -68,6 +68,9 @@ def _as_f(t, mask):
     return ((t & mask) | 0x3F800000).to(tl.float32, bitcast=True)
 
 
+as_f = _as_f  # its public name for the kernels of other modules (their bodies call _as_f)
+
+
 @triton.jit
 def x_prep(b_x, BITS: tl.constexpr, BLOCK_G: tl.constexpr):
     """x block (BW, PER) fp32 -> (x' (BW, PER), sum x (BG,), sum x' (BG,)).

@@ -8,8 +8,6 @@ import platform
 
 import torch
 
-from lily.runtime.generate import ReferenceRunner
-
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -34,14 +32,15 @@ def device_info(device: str) -> dict:
 def fast_paths(runner, device: str) -> dict[str, bool]:
     """The kernel path's optional techniques and whether each is on (empty on the
     reference path)."""
-    if isinstance(runner, ReferenceRunner):
+    step = runner.model.step_ops
+    if step is None:
         return {}
     dev = torch.device(device)
     hopper = dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
     return {
         # PDL is a no-op before sm_90 (lily.ops.launch.use_pdl)
-        "PDL": bool(getattr(runner, "pdl", False)) and hopper,
-        "tensor-core GEMV": bool(getattr(runner, "mma", False)),
+        "PDL": step.pdl and hopper,
+        "tensor-core GEMV": step.mma,
         "CUDA graphs": bool(getattr(runner, "use_graphs", False)),
         "device sampling": getattr(runner, "device_decode", None) is not None,
         # attention decode splits the keys from 256 positions on; prefill after long history
@@ -54,7 +53,7 @@ def architecture_report(engine) -> dict:
     """The report as a dict (for JSON): device, path, memory plan, fast paths."""
     dev = str(engine.engine_cfg.device)
     plan = engine.memory_plan
-    reference = isinstance(engine.runner, ReferenceRunner)
+    reference = not engine.model.kernels
     return {
         **device_info(dev),
         "path": "reference (plain PyTorch)" if reference else "Triton kernels",

@@ -18,7 +18,7 @@ asks it what one request needs. The parts, for the full model at 128K (docs/note
 - margin: the allocator's rounding, cuBLAS workspaces, grammar masks.
 
 Scratch figures are upper bounds read off the kernels' launchers (what each allocates per
-token of a chunk); bench/gpu_memory_128k.py measures them on the GPU.
+token of a chunk); lily/bench/gpu/e2e/memory_128k.py measures them on the GPU.
 """
 
 from __future__ import annotations

@@ -139,7 +139,7 @@ class SessionState:
         """Return to an earlier point: DeltaNet states from ``snap``, KV truncated to ``length``."""
         # Two multi-tensor copies, one per dtype, not 60 launches: torch's fused path takes
         # lists of one dtype only (mixed, it fell back to 60 copies: ~1 ms of host time on
-        # a slow host, before any GPU work of the turn; bench/gpu_timeline.py).
+        # a slow host, before any GPU work of the turn; lily/bench/gpu/diagnostics/timeline.py).
         conv = [self.deltanet[i].conv for i in snap]
         torch._foreach_copy_(conv, [s.conv for s in snap.values()])
         rec = [self.deltanet[i].recurrent for i in snap]

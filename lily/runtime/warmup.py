@@ -31,11 +31,10 @@ from dataclasses import dataclass, fields
 import torch
 
 from lily.config import ModelConfig
-from lily.runtime.generate import ReferenceRunner
+from lily.ops.qgemv import MAX_ROWS as GEMV_ROWS  # chunks this short take the GEMV
 from lily.runtime.sampling import SamplingParams
 from lily.runtime.state import SessionState
 
-GEMV_ROWS = 8  # chunks of up to this many tokens take the GEMV kernels (gpu_runner._GEMV_ROWS)
 WARM_CONTEXT = 8192  # the working state's capacity after warm-up (its graphs are captured)
 LONG_HISTORY = 16384  # enough keys for attention prefill's largest split (16 x 8 x 64)
 SPLIT_CHUNK = 512  # chunks up to this long may split their keys (partials fit PART_BYTES)
@@ -186,7 +185,7 @@ def warm_up(engine, *, progress: bool = True, force: bool = False,
     (tests); ``probes`` replaces the prefill probes; ``context`` is the working state's
     capacity whose decode buckets are captured."""
     runner = engine.runner
-    if isinstance(runner, ReferenceRunner) and not force:
+    if not engine.model.kernels and not force:
         return {"skipped": "the reference path compiles nothing"}
     if probes is None:
         probes = prefill_probes(engine.cfg, engine.engine_cfg.prefill_chunk, engine.max_context)

@@ -432,10 +432,10 @@ def run_server(args: argparse.Namespace, load_engine: Callable[[], Any] | None =
 
     settings = settings_from_args(args)
     if load_engine is None:
-        from lily.cli import load_engine as cli_load_engine
+        from lily.engine_args import load_engine as load_from_args
 
         def load_engine() -> Any:
-            return cli_load_engine(args)
+            return load_from_args(args)
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_keys:

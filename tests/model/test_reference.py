@@ -1,4 +1,5 @@
-"""The reference forward against the independent references, on checkpoints they wrote."""
+"""The reference forward (the model on its reference ops) against the independent
+references, on checkpoints they wrote."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from optional_deps import mlx_missing
 
 from lily.config import ModelConfig
 from lily.model.model import Model
+from lily.runtime.runner import Runner
 from lily.runtime.state import SessionState
 from lily.weights import load_params
 
@@ -23,7 +25,7 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 def make_model(path, device: str = "cpu") -> Model:
     cfg = ModelConfig.from_dir(path)
     params = load_params(path, cfg, device=device, dtype=torch.float32, progress=False)
-    return Model(cfg, params, torch.float32)
+    return Model(cfg, params, torch.float32, kernels=False)
 
 
 def run(model: Model, ids: torch.Tensor, chunks: list[int] | None = None) -> torch.Tensor:
@@ -33,7 +35,7 @@ def run(model: Model, ids: torch.Tensor, chunks: list[int] | None = None) -> tor
     chunks = chunks or [len(ids)]
     out, i = [], 0
     for c in chunks:
-        out.append(model.forward(ids[i : i + c], state, all_logits=True))
+        out.append(Runner(model, c).score(ids[i : i + c].tolist(), state))
         i += c
     assert i == len(ids)
     return torch.cat(out).cpu()
@@ -65,9 +67,9 @@ def test_prefill_then_decode_equals_forward_of_n_plus_one(hf_model):
     ids = torch.randint(0, hf_model.cfg.vocab_size, (31,))
     full = run(hf_model, ids)[-1]
     state = SessionState.new(hf_model.cfg, hf_model.device, torch.float32, 4096)
-    ids = ids.to(hf_model.device)
-    hf_model.forward(ids[:30], state)
-    step = hf_model.forward(ids[30:], state)[0].cpu()
+    runner = Runner(hf_model, 64)
+    runner.prefill(ids[:30].tolist(), state)
+    step = runner.decode(int(ids[30]), state).cpu()
     assert state.length == 31
     assert rel_l2(step, full) <= 1e-5
 
@@ -118,12 +120,13 @@ def test_4bit_greedy_continuation_matches_mlx_lm(mlx4_dir):
         logits = ref(mx.array([[tok]]), cache=cache)
 
     state = SessionState.new(model.cfg, "cpu", torch.float32, 4096)
-    lg = model.forward(torch.tensor(prompt), state)[0]
+    runner = Runner(model, 64)
+    lg = runner.prefill(prompt, state)
     ours = []
     for _ in range(32):
         tok = int(lg.argmax())
         ours.append(tok)
-        lg = model.forward(torch.tensor([tok]), state)[0]
+        lg = runner.decode(tok, state)
     assert len(set(ours)) > 1, "a degenerate continuation would prove little"
     assert ours == theirs
 

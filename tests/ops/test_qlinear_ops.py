@@ -20,9 +20,9 @@ if not torch.cuda.is_available():
 
 from lily.bench.measure import capture_graph  # noqa: E402
 from lily.model.norm import rms_norm  # noqa: E402
+from lily.model.ref import ref_qlinear  # noqa: E402
 from lily.ops.qgemm import GemmConfig, gemm_config, qgemm  # noqa: E402
 from lily.ops.qgemv import GemvConfig, gemv_config, qgemv  # noqa: E402
-from lily.ops.ref_linear import ref_qlinear  # noqa: E402
 from lily.quant import QuantWeight, quantize  # noqa: E402
 from tests.ops.common import rel_err  # noqa: E402
 
@@ -232,7 +232,7 @@ def test_qgemm_empty_and_table(device):
 def test_qgemm_table_tiles_repeat_exactly():
     """The table's tiles at the prefill chunk's largest shapes give the same bits on every
     run. With three pipeline stages the 128 x 128 (8 warps) tile returned garbage in about
-    1 run of 300 here on the H200 (bench/gpu_kernel_repeat.py); 2,000 runs would catch
+    1 run of 300 here on the H200 (lily/bench/gpu/kernels/repeat.py); 2,000 runs would catch
     that rate all but surely."""
     gen = torch.Generator().manual_seed(6)
     w = _weight(8192, 2048, 4, 64, "cuda", gen)

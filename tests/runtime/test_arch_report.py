@@ -17,7 +17,7 @@ def test_cpu_report_names_the_reference_path_and_the_plan(hf_tiny_dir):
     assert rep["device"] == "cpu" and rep["arch"] == platform.machine()
     assert rep["path"].startswith("reference") and rep["fast_paths"] == {}
     mem = rep["memory_plan"]
-    assert mem["weights"] == weight_bytes(engine.model.params) > 0
+    assert mem["weights"] == weight_bytes(engine.model.params()) > 0
     # tiny model: one attention layer, 2 KV heads x 64 dims, fp32, K and V
     assert rep["kv_bytes_per_token"] == 2 * 2 * 64 * 4
     assert mem["kv_cache"] == 2048 * 1024 and mem["prefix_cache"] == 2**29

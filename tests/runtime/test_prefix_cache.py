@@ -127,13 +127,13 @@ def test_cached_state_is_a_real_saving(engines):
     warm, _ = engines
     warm.reset()
     calls = []
-    orig = warm.runner.prefill
+    orig = warm.runner.prefill_snapshots
 
-    def counting(ids, state):
+    def counting(ids, state, points):
         calls.append(len(ids))
-        return orig(ids, state)
+        return orig(ids, state, points)
 
-    warm.runner.prefill = counting
+    warm.runner.prefill_snapshots = counting
     try:
         msgs = [{"role": "user", "content": "hello " * 30}]
         ids = warm.encode_chat(msgs)
@@ -145,7 +145,7 @@ def test_cached_state_is_a_real_saving(engines):
         assert sum(calls) == len(ids2) - cached
         assert sum(calls) < len(ids2) - len(ids) + 20
     finally:
-        warm.runner.prefill = orig
+        warm.runner.prefill_snapshots = orig
 
 
 @pytest.mark.parametrize("diverge", [0, 1, 511, 512, 513, 1023, 1024, 1500, None])

@@ -1,7 +1,7 @@
 """Kernel warm-up (lily/runtime/warmup.py): which shapes it runs, and that it leaves nothing
 behind: the working state, the prefix cache and the first request are as without it.
 
-The warm-up itself only matters on a GPU (bench/gpu_warmup_check.py times it there); here
+The warm-up itself only matters on a GPU (lily/bench/gpu/e2e/warmup_check.py times it there); here
 its machinery runs on the reference path (``force``), whose forward is fast on the CPU.
 """
 
@@ -15,7 +15,7 @@ import torch
 from lily.bench.random_model import model_config
 from lily.config import EngineConfig
 from lily.runtime.engine import Engine
-from lily.runtime.generate import ReferenceRunner
+from lily.runtime.runner import Runner
 from lily.runtime.sampling import SamplingParams
 from lily.runtime.warmup import (
     GEMV_ROWS,
@@ -71,19 +71,11 @@ def test_probes_cover_fresh_resumed_and_long_prompts_within_the_context():
 
 @pytest.mark.parametrize("cap", [64, 256, 1000, 4096, 8192, 135168])
 def test_decode_starts_cover_every_bucket_of_the_runner(cap):
-    from lily.runtime.gpu_runner import GpuRunner
-
     state = SimpleNamespace(kv={3: SimpleNamespace(capacity=cap)})
-    want = {GpuRunner._bucket(None, s, state) for s in range(0, cap, 7)}
-    want.add(GpuRunner._bucket(None, cap - 1, state))
-    got = {GpuRunner._bucket(None, s, state) for s in decode_starts(cap)}
+    want = {Runner._bucket(None, s, state) for s in range(0, cap, 7)}
+    want.add(Runner._bucket(None, cap - 1, state))
+    got = {Runner._bucket(None, s, state) for s in decode_starts(cap)}
     assert got == want and all(s < cap for s in decode_starts(cap))
-
-
-def test_gemv_rows_is_the_runners():
-    from lily.runtime import gpu_runner
-
-    assert GEMV_ROWS == gpu_runner._GEMV_ROWS
 
 
 @pytest.fixture
@@ -92,7 +84,7 @@ def make_engine(hf_tiny_dir):
         ecfg = EngineConfig(prefill_chunk=16, max_context=1024)
         engine = Engine.load(hf_tiny_dir, ecfg, progress=False)
         # the device sampler's hooks, as the kernel runner has them (run eagerly here)
-        engine.runner = ReferenceRunner(engine.model, 16, sample_on_device=True)
+        engine.runner = Runner(engine.model, 16, sample_on_device=True)
         return engine
 
     return make
