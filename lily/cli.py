@@ -97,8 +97,9 @@ def cmd_init(args: argparse.Namespace) -> int:
     else:
         raw = json.loads(Path(args.config).read_text())
         text_cfg = raw.get("text_config", raw)
-    write_random_checkpoint(Path(args.out), text_cfg, args.layout, seed=args.seed)
-    print(f"wrote a random {args.config} checkpoint ({args.layout}) to {args.out}")
+    init = args.init or ("plain" if args.layout == "hf" else "conditioned")
+    write_random_checkpoint(Path(args.out), text_cfg, args.layout, seed=args.seed, init=init)
+    print(f"wrote a random {args.config} checkpoint ({args.layout}, {init} init) to {args.out}")
     return 0
 
 
@@ -134,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--config", default="tiny", help="tiny, full, or a config.json path")
     i.add_argument("--layout", default="mlx4", choices=["mlx4", "mlx8", "hf"])
     i.add_argument("--seed", type=int, default=0)
+    i.add_argument(
+        "--init",
+        choices=["conditioned", "plain"],
+        default=None,
+        help="conditioned: the well-conditioned benchmark model (default for the "
+        "MLX layouts); plain: every weight ~normal(0, 0.02) (hf's default)",
+    )
     i.set_defaults(fn=cmd_init)
 
     from lily.bench.cli import add_bench_args, add_compare_args, run_bench, run_compare

@@ -14,13 +14,12 @@ import torch
 
 from lily.bench import measure, peers, report
 from lily.bench.random_model import (
-    engine_from_params,
     fingerprint,
     params_nbytes,
     save_mlx_checkpoint,
     skewed_params,
 )
-from lily.bench.source import canonical_params, describe
+from lily.bench.source import canonical_params, describe, engine_from_params
 from lily.bench.sweep import LilyAdapter, LocalEngine, Slot, sweep
 from lily.config import EngineConfig
 
@@ -46,8 +45,9 @@ class BenchPlan:
     seed: int = 0
 
 
-def parse_lengths(text: str | None) -> list[int] | None:
-    """``"256,1K,2k"`` -> [256, 1024, 2048]; None when not given."""
+def parse_lengths(text: str | None, flag: str = "--lengths", least: int = 1) -> list[int] | None:
+    """``"256,1K,2k"`` -> [256, 1024, 2048]; None when not given. Errors name ``flag``;
+    counts below ``least`` are refused."""
     if not text:
         return None
     out = []
@@ -56,9 +56,10 @@ def parse_lengths(text: str | None) -> list[int] | None:
         try:
             n = int(s[:-1]) * 1024 if s.endswith("K") else int(s)
         except ValueError:
-            raise ValueError(f"--lengths: {part.strip()!r} is not a token count") from None
-        if n < 1:
-            raise ValueError(f"--lengths: {n} must be positive")
+            raise ValueError(f"{flag}: {part.strip()!r} is not a token count") from None
+        if n < least:
+            bound = "positive" if least == 1 else f">= {least}"
+            raise ValueError(f"{flag}: {n} must be {bound}")
         out.append(n)
     return sorted(set(out))
 

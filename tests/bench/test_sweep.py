@@ -115,7 +115,8 @@ def test_lily_adapter_times_the_engines_own_loop():
     """With tokens drawn on the device the adapter times the engine's pipelined loop: the
     same greedy tokens as synchronous steps, the asked number of timed steps, and the
     session holds exactly the tokens the model consumed."""
-    from lily.bench.random_model import engine_from_params, model_config, random_params
+    from lily.bench.random_model import model_config, random_params
+    from lily.bench.source import engine_from_params
     from lily.bench.sweep import LilyAdapter
     from lily.config import EngineConfig
     from lily.runtime.runner import Runner

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 
 from lily.bench.measure import env_info
-from lily.bench.random_model import engine_from_params, model_config, random_params
+from lily.bench.random_model import model_config, random_params
+from lily.bench.source import engine_from_params
 from lily.config import EngineConfig
 
 FULL = model_config("full")

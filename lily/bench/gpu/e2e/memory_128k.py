@@ -75,7 +75,7 @@ def main() -> int:
         return 2
 
     from lily.bench.gpu.full_model import FULL, full_params, write_json
-    from lily.bench.random_model import engine_from_params
+    from lily.bench.source import engine_from_params
     from lily.config import EngineConfig
     from lily.runtime.arch_report import architecture_report, format_report
     from lily.runtime.memory_plan import plan

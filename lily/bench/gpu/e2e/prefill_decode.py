@@ -13,7 +13,8 @@ import time
 import torch
 
 from lily.bench.measure import pseudo_text_ids
-from lily.bench.random_model import engine_from_params, model_config, random_params
+from lily.bench.random_model import model_config, random_params
+from lily.bench.source import engine_from_params
 from lily.config import EngineConfig
 
 

@@ -50,7 +50,7 @@ def main() -> int:
         return 2
     from lily.bench.gpu.e2e.memory_128k import chat_prompt
     from lily.bench.gpu.full_model import FULL, full_params, write_json
-    from lily.bench.random_model import engine_from_params
+    from lily.bench.source import engine_from_params
     from lily.config import EngineConfig
     from lily.runtime.warmup import kernel_variants, sampling_variants, warm_up
 
