@@ -207,7 +207,7 @@ def moe(x: Tensor, h: Tensor | None, norm_w: Tensor, m: MoEWeights, next_norm: T
     eps, top_k = cfg.rms_norm_eps, cfg.num_experts_per_tok
     w = (m.router, m.gate_proj, m.up_proj, m.down_proj, m.shared_gate_proj, m.shared_up_proj,
          m.shared_down_proj, m.shared_expert_gate)  # fmt: skip
-    if k is None:
+    if k is None or not m.packed:
         if h is None:
             h = rms_norm(x, norm_w, eps)
         x = x + sparse_moe(h, *w, top_k, cfg.norm_topk_prob)

@@ -66,7 +66,10 @@ class Runner:
         self.model = model
         self.chunk = max(1, chunk)
         self.dev = model.device
-        self.use_graphs = use_graphs and model.kernels and self.dev.type == "cuda"
+        # NOTE: dense experts (bf16 weights not packed) take the reference MoE, whose routing
+        # syncs with the host: such a step cannot be captured.
+        packed = all(lw.moe.packed for lw in model.weights.layers)
+        self.use_graphs = use_graphs and model.kernels and self.dev.type == "cuda" and packed
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # NOTE: one memory pool for every captured step (each had its own, up to 17, each the
         # size of a step's temporaries). Safe because steps replay one at a time on one

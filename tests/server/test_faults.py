@@ -38,12 +38,13 @@ FREED_WITHIN = PREFILL + 10 * STEP + 1.5
 
 def memory_limit_mb(model_dir) -> float:
     """A per-request limit between what (200 prompt + 56 generated) and (200 + 57) need:
-    the K/V cache doubles from 256 to 512 positions at the 257th token."""
-    from lily.config import ModelConfig
+    the K/V cache grows from 256 positions to the 512 of the context at the 257th token."""
+    from lily.config import EngineConfig, ModelConfig
     from lily.server.limits import estimate
 
     cfg = ModelConfig.from_dir(model_dir)
-    fits, over = (estimate(cfg, torch.float32, 200, n, 2048, CONTEXT, False).total
+    chunk = EngineConfig.prefill_chunk
+    fits, over = (estimate(cfg, torch.float32, 200, n, chunk, CONTEXT, False).total
                   for n in (256, 257))  # fmt: skip
     assert fits < over
     return (fits + over) / 2 / 2**20
@@ -54,6 +55,7 @@ def fault_server(model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "faults.log"
     argv = [str(ROOT / "tests/server/launch.py"), "--step-delay", str(STEP), "--prefill-delay",
             str(PREFILL), "--fault-seed", str(FAULT_SEED), "serve", "--model", str(model_dir),
+            "--device", "cpu",  # the limit below is the CPU path's estimate (fp32, no kernels)
             "--max-context", str(CONTEXT), "--keepalive", "0.1",
             "--max-request-memory-mb", f"{memory_limit_mb(model_dir):.4f}"]  # fmt: skip
     s = Server(argv, log)
