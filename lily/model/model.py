@@ -4,6 +4,7 @@ the Model was built (lily/model/ops.py); the runner (lily/runtime/runner.py) sch
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -40,9 +41,8 @@ class Model:
         self.chunk_ops: ops.Kernels | None = None
         self.step_ops: ops.Kernels | None = None
         if self.kernels:
-            self.chunk_ops = ops.Kernels.new(cfg, self.device, False, pdl, mma)
-            self.step_ops = ops.Kernels.new(cfg, self.device, True, pdl, mma,
-                                            self.chunk_ops.workspace)  # fmt: skip
+            self.chunk_ops = ops.Kernels.new(cfg, self.device, step=False, pdl=False, mma=False)
+            self.step_ops = dataclasses.replace(self.chunk_ops, step=True, pdl=pdl, mma=mma)
 
     def params(self) -> dict[str, Weight]:
         """The canonical flat parameters (the fused projections as row views)."""

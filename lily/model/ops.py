@@ -63,16 +63,15 @@ class Kernels:
     inv_freq: Tensor
 
     @classmethod
-    def new(cls, cfg: ModelConfig, device: torch.device, step: bool, pdl: bool, mma: bool,
-            workspace: DeltaNetDecodeWorkspace | None = None) -> Kernels:  # fmt: skip
+    def new(cls, cfg: ModelConfig, device: torch.device, step: bool, pdl: bool,
+            mma: bool) -> Kernels:  # fmt: skip
+        """A dispatch with new shared buffers (one per model: the layers run in turn)."""
         if not HAS_KERNELS:
             raise ValueError("the kernel path needs Triton, which is not installed here")
-        if workspace is None:
-            workspace = DeltaNetDecodeWorkspace.new(cfg.linear_num_key_heads,
-                                                    cfg.linear_num_value_heads,
-                                                    cfg.linear_value_head_dim, device)  # fmt: skip
-        inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, device)
-        return cls(step, pdl and step, mma and step, workspace, inv_freq)
+        workspace = DeltaNetDecodeWorkspace.new(cfg.linear_num_key_heads,
+                                                cfg.linear_num_value_heads,
+                                                cfg.linear_value_head_dim, device)  # fmt: skip
+        return cls(step, pdl, mma, workspace, rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, device))
 
 
 # ---------------------------------------------------------------- linear layers

@@ -22,7 +22,7 @@ from lily.runtime.state import DeltaNetState
 from lily.transfer import to_device
 
 MIN_BUCKET = 4096  # the smallest context a decode graph is captured for
-SCORE_ROWS = 512  # lm_head rows at a time when scoring (fp32 logits of 512 x V: 0.5 GB)
+SCORE_ROWS = 2048  # lm_head rows at a time when scoring (fp32 logits of 2048 x V: 2 GB)
 
 
 @contextlib.contextmanager
