@@ -12,7 +12,7 @@ import torch
 from lily.config import ModelConfig
 from lily.model import ops
 from lily.model.bundles import DeltaNetWeights, LayerWeights, ModelWeights
-from lily.quant import Weight
+from lily.quant import QuantWeight, Weight
 from lily.transfer import to_device
 
 Tensor = torch.Tensor
@@ -24,7 +24,8 @@ class Model:
     ``weights``: a ModelWeights, or the canonical flat parameters (docs/CONTRACTS.md),
     bundled here (input projections fused once). ``kernels``: run the Triton kernels (None:
     iff the weights are on a CUDA device); ``pdl`` and ``mma`` choose programmatic dependent
-    launch and tensor-core GEMVs in decode steps. The methods advance the session state's
+    launch and tensor-core GEMVs in decode steps; ``capturable``: a decode step can be
+    captured in a CUDA graph. The methods advance the session state's
     caches and recurrent states, never its length or tokens (the runner's).
     """
 
@@ -38,6 +39,10 @@ class Model:
         self.dtype = dtype
         self.device = weights.norm.device
         self.kernels = self.device.type == "cuda" if kernels is None else kernels
+        # A decode step goes into a CUDA graph when every op runs on the kernels (the MoE
+        # kernels take packed experts only).
+        packed = all(isinstance(lw.moe.gate_proj, QuantWeight) for lw in weights.layers)
+        self.capturable = self.kernels and self.device.type == "cuda" and packed
         self.chunk_ops: ops.Kernels | None = None
         self.step_ops: ops.Kernels | None = None
         if self.kernels:

@@ -202,11 +202,13 @@ def moe(x: Tensor, h: Tensor | None, norm_w: Tensor, m: MoEWeights, next_norm: T
     """``x + moe(h)`` with ``h = rmsnorm(x) * norm_w`` (``h`` when given), and with
     ``next_norm`` also its RMSNorm by that weight (the next layer's input) where the kernel
     makes it in its last launch (a prefill chunk), else None. Three launches for one row
-    (the norm in the first one's prologue when ``h`` is None), routing on the GPU."""
+    (the norm in the first one's prologue when ``h`` is None), routing on the GPU. The MoE
+    kernels take packed experts; dense ones (an unquantized checkpoint) take the reference
+    (not graph-capturable: ``Model.capturable``)."""
     eps, top_k = cfg.rms_norm_eps, cfg.num_experts_per_tok
     w = (m.router, m.gate_proj, m.up_proj, m.down_proj, m.shared_gate_proj, m.shared_up_proj,
          m.shared_down_proj, m.shared_expert_gate)  # fmt: skip
-    if k is None:
+    if k is None or not isinstance(m.gate_proj, QuantWeight):
         if h is None:
             h = rms_norm(x, norm_w, eps)
         x = x + sparse_moe(h, *w, top_k, cfg.norm_topk_prob)

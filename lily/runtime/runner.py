@@ -57,8 +57,9 @@ class Runner:
     """Chunked prefill and decode of one session state at a time over ``model``.
 
     ``chunk``: prefill tokens per forward. ``use_graphs``: replay decode steps from CUDA
-    graphs (only with the kernels on a CUDA device). ``sample_on_device`` (default: with
-    the kernels): the next token is drawn on the device (``decode_sampled``).
+    graphs (where the model is ``capturable``: the kernels on a CUDA device).
+    ``sample_on_device`` (default: with the kernels): the next token is drawn on the device
+    (``decode_sampled``).
     """
 
     def __init__(self, model: Model, chunk: int, use_graphs: bool = True,
@@ -66,7 +67,7 @@ class Runner:
         self.model = model
         self.chunk = max(1, chunk)
         self.dev = model.device
-        self.use_graphs = use_graphs and model.kernels and self.dev.type == "cuda"
+        self.use_graphs = use_graphs and model.capturable
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.tok = torch.zeros(1, dtype=torch.long, device=self.dev)
         self.pos = torch.zeros(1, dtype=torch.int32, device=self.dev)
