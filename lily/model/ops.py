@@ -86,25 +86,24 @@ def embed(ids: Tensor, w: Weight, dtype: torch.dtype, k: Kernels | None) -> Tens
 
 
 def linear(x: Tensor, w: Weight, k: Kernels | None, residual: Tensor | None = None,
-           out_dtype: torch.dtype | None = None, **norm) -> Tensor:  # fmt: skip
+           out_dtype: torch.dtype | None = None, **prologue) -> Tensor:  # fmt: skip
     """``residual + x @ w.T`` for x (T, K), in ``out_dtype`` (default x's). Kernels: the
-    GEMV for a few rows of a packed weight (on the tensor cores with ``mma``; ``norm``
+    GEMV for a few rows of a packed weight (on the tensor cores with ``mma``; ``prologue``
     keywords ``norm_weight``, ``eps`` put an RMSNorm of x in its prologue), the fused-dequant
     GEMM for more, cuBLAS for a dense weight."""
     if k is None:
-        y = ref_linear(rms_norm(x, norm["norm_weight"], norm["eps"]) if norm else x, w)
+        y = ref_linear(rms_norm(x, prologue["norm_weight"], prologue["eps"]) if prologue else x, w)
         if out_dtype is not None:
             y = y.to(out_dtype)
         return y if residual is None else y + residual
     if isinstance(w, QuantWeight):
         if x.shape[0] <= GEMV_ROWS:
-            if k.mma and mma_supports(w):
-                return qgemv_mma(x, w, residual=residual, out_dtype=out_dtype, pdl=k.pdl, **norm)
-            return qgemv(x, w, residual=residual, out_dtype=out_dtype, pdl=k.pdl, **norm)
+            gemv = qgemv_mma if k.mma and mma_supports(w) else qgemv
+            return gemv(x, w, residual=residual, out_dtype=out_dtype, pdl=k.pdl, **prologue)
         y = qgemm(x, w, out_dtype=out_dtype)
     else:
-        if norm:
-            x = rmsnorm(x, norm["norm_weight"], norm["eps"])
+        if prologue:
+            x = rmsnorm(x, prologue["norm_weight"], prologue["eps"])
         y = torch.nn.functional.linear(x, w.to(x.dtype))
         if out_dtype is not None:
             y = y.to(out_dtype)
