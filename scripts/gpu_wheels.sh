@@ -7,7 +7,7 @@
 # Versions follow what scripts/install.sh put in .venv, so both machines run the same code.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PKGS=(fastapi starlette uvicorn httpx2 pydantic pydantic-core annotated-types annotated-doc
+PKGS=(fastapi starlette uvicorn httpx2 httpcore2 pydantic pydantic-core annotated-types annotated-doc
       typing-inspection opentelemetry-api llguidance openai distro jiter sniffio anthropic
       jsonschema referencing rpds-py jsonschema-specifications mlx mlx-cpu mlx-lm)
 pins=()

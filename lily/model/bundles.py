@@ -68,12 +68,6 @@ class MoEWeights:
     shared_down_proj: Weight  # (D, Is)
     shared_expert_gate: Weight  # (1, D)
 
-    @property
-    def packed(self) -> bool:
-        """Every weight in the packed layout: what the MoE kernels take (dense experts, from
-        bf16 checkpoints loaded without --quantize, run the reference maths)."""
-        return all(isinstance(getattr(self, f), QuantWeight) for f in self.__slots__)
-
 
 @dataclass(frozen=True, slots=True)
 class LayerWeights:

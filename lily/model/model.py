@@ -4,6 +4,7 @@ the Model was built (lily/model/ops.py); the runner (lily/runtime/runner.py) sch
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -11,7 +12,7 @@ import torch
 from lily.config import ModelConfig
 from lily.model import ops
 from lily.model.bundles import DeltaNetWeights, LayerWeights, ModelWeights
-from lily.quant import Weight
+from lily.quant import QuantWeight, Weight
 from lily.transfer import to_device
 
 Tensor = torch.Tensor
@@ -23,7 +24,8 @@ class Model:
     ``weights``: a ModelWeights, or the canonical flat parameters (docs/CONTRACTS.md),
     bundled here (input projections fused once). ``kernels``: run the Triton kernels (None:
     iff the weights are on a CUDA device); ``pdl`` and ``mma`` choose programmatic dependent
-    launch and tensor-core GEMVs in decode steps. The methods advance the session state's
+    launch and tensor-core GEMVs in decode steps; ``capturable``: a decode step can be
+    captured in a CUDA graph. The methods advance the session state's
     caches and recurrent states, never its length or tokens (the runner's).
     """
 
@@ -37,12 +39,15 @@ class Model:
         self.dtype = dtype
         self.device = weights.norm.device
         self.kernels = self.device.type == "cuda" if kernels is None else kernels
+        # A decode step goes into a CUDA graph when every op runs on the kernels (the MoE
+        # kernels take packed experts only).
+        packed = all(isinstance(lw.moe.gate_proj, QuantWeight) for lw in weights.layers)
+        self.capturable = self.kernels and self.device.type == "cuda" and packed
         self.chunk_ops: ops.Kernels | None = None
         self.step_ops: ops.Kernels | None = None
         if self.kernels:
-            self.chunk_ops = ops.Kernels.new(cfg, self.device, False, pdl, mma)
-            self.step_ops = ops.Kernels.new(cfg, self.device, True, pdl, mma,
-                                            self.chunk_ops.workspace)  # fmt: skip
+            self.chunk_ops = ops.Kernels.new(cfg, self.device, step=False, pdl=False, mma=False)
+            self.step_ops = dataclasses.replace(self.chunk_ops, step=True, pdl=pdl, mma=mma)
 
     def params(self) -> dict[str, Weight]:
         """The canonical flat parameters (the fused projections as row views)."""

@@ -63,16 +63,15 @@ class Kernels:
     inv_freq: Tensor
 
     @classmethod
-    def new(cls, cfg: ModelConfig, device: torch.device, step: bool, pdl: bool, mma: bool,
-            workspace: DeltaNetDecodeWorkspace | None = None) -> Kernels:  # fmt: skip
+    def new(cls, cfg: ModelConfig, device: torch.device, step: bool, pdl: bool,
+            mma: bool) -> Kernels:  # fmt: skip
+        """A dispatch with new shared buffers (one per model: the layers run in turn)."""
         if not HAS_KERNELS:
             raise ValueError("the kernel path needs Triton, which is not installed here")
-        if workspace is None:
-            workspace = DeltaNetDecodeWorkspace.new(cfg.linear_num_key_heads,
-                                                    cfg.linear_num_value_heads,
-                                                    cfg.linear_value_head_dim, device)  # fmt: skip
-        inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, device)
-        return cls(step, pdl and step, mma and step, workspace, inv_freq)
+        workspace = DeltaNetDecodeWorkspace.new(cfg.linear_num_key_heads,
+                                                cfg.linear_num_value_heads,
+                                                cfg.linear_value_head_dim, device)  # fmt: skip
+        return cls(step, pdl, mma, workspace, rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, device))
 
 
 # ---------------------------------------------------------------- linear layers
@@ -87,25 +86,24 @@ def embed(ids: Tensor, w: Weight, dtype: torch.dtype, k: Kernels | None) -> Tens
 
 
 def linear(x: Tensor, w: Weight, k: Kernels | None, residual: Tensor | None = None,
-           out_dtype: torch.dtype | None = None, **norm) -> Tensor:  # fmt: skip
+           out_dtype: torch.dtype | None = None, **prologue) -> Tensor:  # fmt: skip
     """``residual + x @ w.T`` for x (T, K), in ``out_dtype`` (default x's). Kernels: the
-    GEMV for a few rows of a packed weight (on the tensor cores with ``mma``; ``norm``
+    GEMV for a few rows of a packed weight (on the tensor cores with ``mma``; ``prologue``
     keywords ``norm_weight``, ``eps`` put an RMSNorm of x in its prologue), the fused-dequant
     GEMM for more, cuBLAS for a dense weight."""
     if k is None:
-        y = ref_linear(rms_norm(x, norm["norm_weight"], norm["eps"]) if norm else x, w)
+        y = ref_linear(rms_norm(x, prologue["norm_weight"], prologue["eps"]) if prologue else x, w)
         if out_dtype is not None:
             y = y.to(out_dtype)
         return y if residual is None else y + residual
     if isinstance(w, QuantWeight):
         if x.shape[0] <= GEMV_ROWS:
-            if k.mma and mma_supports(w):
-                return qgemv_mma(x, w, residual=residual, out_dtype=out_dtype, pdl=k.pdl, **norm)
-            return qgemv(x, w, residual=residual, out_dtype=out_dtype, pdl=k.pdl, **norm)
+            gemv = qgemv_mma if k.mma and mma_supports(w) else qgemv
+            return gemv(x, w, residual=residual, out_dtype=out_dtype, pdl=k.pdl, **prologue)
         y = qgemm(x, w, out_dtype=out_dtype)
     else:
-        if norm:
-            x = rmsnorm(x, norm["norm_weight"], norm["eps"])
+        if prologue:
+            x = rmsnorm(x, prologue["norm_weight"], prologue["eps"])
         y = torch.nn.functional.linear(x, w.to(x.dtype))
         if out_dtype is not None:
             y = y.to(out_dtype)
@@ -203,11 +201,13 @@ def moe(x: Tensor, h: Tensor | None, norm_w: Tensor, m: MoEWeights, next_norm: T
     """``x + moe(h)`` with ``h = rmsnorm(x) * norm_w`` (``h`` when given), and with
     ``next_norm`` also its RMSNorm by that weight (the next layer's input) where the kernel
     makes it in its last launch (a prefill chunk), else None. Three launches for one row
-    (the norm in the first one's prologue when ``h`` is None), routing on the GPU."""
+    (the norm in the first one's prologue when ``h`` is None), routing on the GPU. The MoE
+    kernels take packed experts; dense ones (an unquantized checkpoint) take the reference
+    (not graph-capturable: ``Model.capturable``)."""
     eps, top_k = cfg.rms_norm_eps, cfg.num_experts_per_tok
     w = (m.router, m.gate_proj, m.up_proj, m.down_proj, m.shared_gate_proj, m.shared_up_proj,
          m.shared_down_proj, m.shared_expert_gate)  # fmt: skip
-    if k is None or not m.packed:
+    if k is None or not isinstance(m.gate_proj, QuantWeight):
         if h is None:
             h = rms_norm(x, norm_w, eps)
         x = x + sparse_moe(h, *w, top_k, cfg.norm_topk_prob)

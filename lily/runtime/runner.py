@@ -22,7 +22,7 @@ from lily.runtime.state import DeltaNetState
 from lily.transfer import to_device
 
 MIN_BUCKET = 4096  # the smallest context a decode graph is captured for
-SCORE_ROWS = 512  # lm_head rows at a time when scoring (fp32 logits of 512 x V: 0.5 GB)
+SCORE_ROWS = 2048  # lm_head rows at a time when scoring (fp32 logits of 2048 x V: 2 GB)
 
 
 @contextlib.contextmanager
@@ -57,8 +57,9 @@ class Runner:
     """Chunked prefill and decode of one session state at a time over ``model``.
 
     ``chunk``: prefill tokens per forward. ``use_graphs``: replay decode steps from CUDA
-    graphs (only with the kernels on a CUDA device). ``sample_on_device`` (default: with
-    the kernels): the next token is drawn on the device (``decode_sampled``).
+    graphs (where the model is ``capturable``: the kernels on a CUDA device).
+    ``sample_on_device`` (default: with the kernels): the next token is drawn on the device
+    (``decode_sampled``).
     """
 
     def __init__(self, model: Model, chunk: int, use_graphs: bool = True,
@@ -66,10 +67,7 @@ class Runner:
         self.model = model
         self.chunk = max(1, chunk)
         self.dev = model.device
-        # NOTE: dense experts (bf16 weights not packed) take the reference MoE, whose routing
-        # syncs with the host: such a step cannot be captured.
-        packed = all(lw.moe.packed for lw in model.weights.layers)
-        self.use_graphs = use_graphs and model.kernels and self.dev.type == "cuda" and packed
+        self.use_graphs = use_graphs and model.capturable
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # NOTE: one memory pool for every captured step (each had its own, up to 17, each the
         # size of a step's temporaries). Safe because steps replay one at a time on one

@@ -203,7 +203,7 @@ def test_kernel_runner_hook_without_graphs(hf_tiny_dir):
     seen_pos = []
 
     class StandIn:  # the kernel model's interface, as the runner sees it
-        cfg, device, kernels = engine.cfg, torch.device("cpu"), True
+        cfg, device, kernels, capturable = engine.cfg, torch.device("cpu"), True, False
 
         def forward(self, ids, state, pos, max_len, step=False, cuts=()):
             assert step and isinstance(pos, torch.Tensor)  # a step reads its position there

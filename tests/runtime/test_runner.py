@@ -123,6 +123,23 @@ def test_layer_by_layer_both_dispatches(models):
     assert rel(looped, fx) <= 1e-2
 
 
+def test_scoring_a_dense_checkpoint_on_the_kernels(hf_tiny_dir):
+    """``lily score`` on a GPU runs the kernel path: with an unquantized checkpoint the
+    linear layers go to cuBLAS and the MoE to its reference (its kernels take packed
+    experts only), and such a model never captures a graph. All-position logits against
+    the fp32 reference."""
+    cfg = ModelConfig.from_dir(hf_tiny_dir)
+    load = lambda dt: load_params(hf_tiny_dir, cfg, device=DEVICE, dtype=dt, progress=False)  # noqa: E731
+    ref = Model(cfg, load(torch.float32), torch.float32, kernels=False)
+    fast = Model(cfg, load(torch.bfloat16), torch.bfloat16, kernels=True)
+    assert not fast.capturable and not Runner(fast, 16).use_graphs
+    ids = [5, 9, 100, 3, 77, 12, 400, 2, 8, 60, 61]
+    got = Runner(fast, 16).score(ids, SessionState.new(cfg, DEVICE, torch.bfloat16, 64))
+    want = Runner(ref, 16).score(ids, SessionState.new(cfg, DEVICE, torch.float32, 64))
+    errs = [rel(a, b) for a, b in zip(got, want, strict=True)]
+    assert max(errs) <= TOL_FLIP and sum(e <= TOL for e in errs) >= 0.75 * len(errs), errs
+
+
 @pytest.mark.skipif(not CUDA, reason="programmatic dependent launch is a no-op without a GPU")
 def test_decode_with_pdl_equals_without(models):
     """The decode graph with PDL launches (each GEMV/MoE kernel starts while the one before

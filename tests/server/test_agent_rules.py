@@ -40,8 +40,20 @@ def server(model_dir, tmp_path_factory):
     path's numbers, and on a GPU the kernels (bf16) draw other tokens from the random model.
     The rules under test are the server's, the same on any device."""
     log = tmp_path_factory.mktemp("logs") / "agent_rules.log"
-    argv = ["-m", "lily.cli", "serve", "--model", str(model_dir), "--device", "cpu",
-            "--max-context", str(MAX_CONTEXT), "--served-model-name", "tiny", "tiny-alias"]
+    argv = [
+        "-m",
+        "lily.cli",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--device",
+        "cpu",
+        "--max-context",
+        str(MAX_CONTEXT),
+        "--served-model-name",
+        "tiny",
+        "tiny-alias",
+    ]
     for k in KEYS:
         argv += ["--api-key", k]
     s = Server(argv, log)

@@ -1,5 +1,5 @@
 """What the GPU scripts share: the full-size random model on the GPU, engines over it with
-the kernel runner, and their JSON output (environment, arguments, results)."""
+the kernels, and their JSON output (environment, arguments, results)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def full_params() -> dict:
 
 def kernel_engine(params: dict, chunk: int = 4096, max_context: int = 65536,
                   prefix_cache_gb: float = 0.0):  # fmt: skip
-    """An engine over ``params`` with the Triton kernel runner in bf16."""
+    """An engine over ``params`` with the model on the Triton kernels in bf16."""
     ecfg = EngineConfig(device="cuda", dtype="bfloat16", prefill_chunk=chunk,
                         max_context=max_context, use_kernels=True,
                         prefix_cache_gb=prefix_cache_gb)  # fmt: skip

@@ -1,6 +1,6 @@
 """Where a decode step's time goes inside its CUDA graph (one GPU call).
 
-On the full-size random model with the kernel runner, after a prompt of each --contexts
+On the full-size random model on the kernels, after a prompt of each --contexts
 length: the step's device time (graph replays timed with CUDA events, median), then one
 replay under torch.profiler. With programmatic dependent launch the kernels overlap, so a
 kernel's duration says little; what each adds to the step is its *exposed* time: how far

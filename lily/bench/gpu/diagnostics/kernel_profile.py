@@ -1,6 +1,6 @@
 """Where the time goes: prefill and decode split by kernel and by layer kind (one GPU call).
 
-On the full-size random model with the kernel runner:
+On the full-size random model on the kernels:
 - prefill of T tokens (several T): wall time, the time only to enqueue the launches (host
   side), and the device time of every kernel (torch.profiler), grouped by layer kind;
 - one decode step: graph replay time, and the eager step's kernels grouped the same way;

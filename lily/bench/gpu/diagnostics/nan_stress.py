@@ -1,4 +1,4 @@
-"""Hunt the rare non-finite logits of the kernel runner (full random model, GPU).
+"""Hunt the rare non-finite logits of the kernel path (full random model, GPU).
 
 Repeats a fresh-state prefill and a few decode steps, with and without CUDA graphs,
 optionally on NaN-poisoned free memory (so that a read of uninitialised memory shows up

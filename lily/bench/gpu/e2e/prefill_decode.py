@@ -1,7 +1,7 @@
-"""End-to-end timing of the kernel runner on the full-size random model (one GPU call).
+"""End-to-end timing of the kernel path on the full-size random model (one GPU call).
 
 Prefill tok/s at a few lengths and decode tok/s (CUDA-graph steps) after them, with the
-reference runner's numbers at the shortest length beside them. Writes JSON to --out.
+reference ops' numbers at the shortest length beside them. Writes JSON to --out.
 """
 
 from __future__ import annotations
