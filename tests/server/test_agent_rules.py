@@ -17,7 +17,7 @@ import jsonschema
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
-from tests.server.conftest import KEYS, MAX_CONTEXT, Server
+from tests.server.conftest import KEYS, MAX_CONTEXT, main_server
 from tests.server.helpers import assert_openai_error, sse_events
 from tests.server.test_api import prompt_text
 from tests.server.test_grammar import GIVE_UP, LATE_FAILING
@@ -40,28 +40,7 @@ def server(model_dir, tmp_path_factory):
     path's numbers, and on a GPU the kernels (bf16) draw other tokens from the random model.
     The rules under test are the server's, the same on any device."""
     log = tmp_path_factory.mktemp("logs") / "agent_rules.log"
-    argv = [
-        "-m",
-        "lily.cli",
-        "serve",
-        "--model",
-        str(model_dir),
-        "--device",
-        "cpu",
-        "--max-context",
-        str(MAX_CONTEXT),
-        "--served-model-name",
-        "tiny",
-        "tiny-alias",
-    ]
-    for k in KEYS:
-        argv += ["--api-key", k]
-    s = Server(argv, log)
-    try:
-        s.health_history()
-        yield s
-    finally:
-        s.stop()
+    yield from main_server(model_dir, log, "--device", "cpu")
 
 
 def both(http, body):
