@@ -205,7 +205,7 @@ def _conditioned_values(cfg: ModelConfig, layout: Layout, dtype: torch.dtype, se
     ``expected_tensors(cfg, "mlx")`` lists them: the bytes ``random_params(cfg, "cpu",
     layout, seed)`` builds, one parameter at a time."""
     from lily.bench.conditioned import DEFAULT
-    from lily.bench.random_model import packing, random_tensor
+    from lily.bench.random_tensors import packing, random_tensor
     from lily.quant import QuantWeight
     from lily.weights import canonical_shapes
 

@@ -12,23 +12,22 @@ import math
 import sys
 from pathlib import Path
 
+from lily.engine_args import add_engine_args, engine_config
+
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    from lily.cli import _engine_args
-
     if "--device" not in p._option_string_actions:
-        _engine_args(p)
+        add_engine_args(p)
 
 
 def _source_kw(args: argparse.Namespace) -> dict:
-    from lily.cli import engine_config
-
     ecfg = engine_config(args)
     return {
         "device": ecfg.device,
         "dtype": ecfg.dtype,
         "prefill_chunk": ecfg.prefill_chunk,
         "use_kernels": ecfg.use_kernels,
+        "max_context": ecfg.max_context,  # None: the largest the free memory allows
     }
 
 
@@ -68,6 +67,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-tokens", type=int, default=2048,
                    help="prompt tokens of the expert-load histogram")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="weights and prompt ids")
+    p.add_argument("--run", metavar="NAME",
+                   help="instead of the sweep, run one GPU script of lily.bench.gpu with the "
+                        "arguments after --: e.g. kernels (the kernel benchmarks, merged), "
+                        "kernels.linear, diagnostics.kernel_profile; 'list' names them "
+                        "all")  # fmt: skip
+    p.add_argument("script_args", nargs="*", metavar="-- ARGS", help="arguments for --run")
 
 
 def bench_plan(args: argparse.Namespace):
@@ -118,14 +123,23 @@ def _context_of(source: dict) -> int:
     from lily.config import ModelConfig
 
     if source["kind"] == "dir":
-        return ModelConfig.from_dir(source["path"]).max_position_embeddings
-    from lily.bench.random_model import model_config
+        ctx = ModelConfig.from_dir(source["path"]).max_position_embeddings
+    else:
+        from lily.bench.random_model import model_config
 
-    return model_config(source["name"]).max_position_embeddings
+        ctx = model_config(source["name"]).max_position_embeddings
+    return min(ctx, source.get("max_context") or ctx)
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    """``lily bench``: run the sweep and write JSON, Markdown and PNG."""
+    """``lily bench``: run the sweep and write JSON, Markdown and PNG (or, with ``--run``,
+    one GPU script)."""
+    if args.run:
+        from lily.bench import gpu
+
+        return gpu.run(args.run, args.script_args)
+    if args.script_args:
+        raise ValueError(f"unexpected arguments {args.script_args} (they belong after --run)")
     from lily.bench import driver, report
 
     plan = bench_plan(args)
@@ -213,7 +227,7 @@ def run_compare(args: argparse.Namespace) -> int:
     except Exception as e:  # a missing or broken reference: one line, not a traceback
         from lily.bench import peers
 
-        print(f"lily compare: error: reference {args.reference}: {peers._one_line(e)}",
+        print(f"lily compare: error: reference {args.reference}: {peers.one_line(e)}",
               file=sys.stderr)  # fmt: skip
         return 2
     ids = _compare_ids(args, ours.engine, max(contexts))

@@ -148,9 +148,7 @@ class Ours:
         self.device = str(engine.model.device)
 
     def reference_runner(self) -> bool:
-        from lily.runtime.generate import ReferenceRunner
-
-        return isinstance(self.engine.runner, ReferenceRunner)
+        return not self.engine.model.kernels
 
     def score(self, ids: list[int], start: int) -> torch.Tensor:
         if self.reference_runner():
@@ -190,8 +188,8 @@ def _params(args, ecfg, dtype: torch.dtype):
 
 def load_ours(args) -> Ours:
     """Our engine over --random or --model, configured by the engine options."""
-    from lily.bench.random_model import engine_from_params
-    from lily.cli import engine_config
+    from lily.bench.source import engine_from_params
+    from lily.engine_args import engine_config
     from lily.runtime.engine import DTYPES, Engine
 
     ecfg = engine_config(args)
@@ -225,7 +223,7 @@ def load_reference(args, ours: Ours) -> _Scorer:
     eng = ours.engine
     if args.reference == "lily":
         dt = getattr(torch, args.reference_dtype or "float32")
-        ref = Model(eng.cfg, upcast(eng.model.params, dt), dt, kernels=False)
+        ref = Model(eng.cfg, upcast(eng.model.params(), dt), dt, kernels=False)
         return _Scorer(lambda ids, n: score_model(ref, ids, n, ours.fast),
                        {"path": "plain-PyTorch reference", "dtype": str(dt)[6:],
                         "device": ours.device})  # fmt: skip
@@ -259,7 +257,7 @@ def _write_random(args, engine):
     else:
         keep = tempfile.TemporaryDirectory(prefix="lily-compare-")
         out = keep.name
-    params = upcast(engine.model.params, torch.bfloat16)
+    params = upcast(engine.model.params(), torch.bfloat16)
     save_mlx_checkpoint(params, engine.cfg, text_config(args.random), out)
     return out, keep
 
@@ -267,7 +265,7 @@ def _write_random(args, engine):
 def run_layerwise(args, contexts: list[int]) -> dict:
     """``lily compare --layerwise``: ``layer_local`` after each context."""
     from lily.bench.measure import env_info, pseudo_text_ids
-    from lily.cli import engine_config
+    from lily.engine_args import engine_config
 
     if args.chunk < 0 or args.decode_steps < 0 or args.chunk + args.decode_steps < 1:
         raise ValueError("--chunk and --decode-steps must be >= 0, and not both 0")

@@ -68,7 +68,15 @@ def fast_deltanet(chunk: int = 64):
     if not hasattr(_deltanet, "gated_delta_scan"):
         raise RuntimeError("lily.model.deltanet.gated_delta_scan is gone: update fast_context")
     original = _deltanet.gated_delta_scan
-    _deltanet.gated_delta_scan = lambda *a: chunked_delta_scan(*a, chunk=chunk)
+
+    def scan(q, k, v, g, beta, state, cuts=()):
+        if cuts:  # states mid-chunk: the token scan takes them
+            return original(q, k, v, g, beta, state, cuts)
+        rep = v.shape[1] // k.shape[1]  # the reference passes one key head per pair
+        q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+        return chunked_delta_scan(q, k, v, g, beta, state, chunk=chunk), []
+
+    _deltanet.gated_delta_scan = scan
     try:
         yield
     finally:
