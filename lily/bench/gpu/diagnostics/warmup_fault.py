@@ -75,6 +75,8 @@ def main() -> int:
                          "traceback": traceback.format_exc()[-4000:]}  # fmt: skip
                 print(f"probe {i} {p}: FAULT after {last['calls']} ops, in or after op "
                       f"{last['op']}: {e}", flush=True)  # fmt: skip
+                if args.no_replay:  # the replay itself: its traceback names the launch
+                    print(fault["traceback"], flush=True)
                 break
             print(f"probe {i} {p}: ok ({last['calls']} ops)", flush=True)
     finally:
