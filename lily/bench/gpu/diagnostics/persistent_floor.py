@@ -94,7 +94,7 @@ def timeline(r: ps.Runner) -> dict:
 def copy_row(st: ps.Stream, replays: int) -> dict:
     """The step's read bytes in one plain device copy (read and written once)."""
     n = st.read_bytes
-    src = st.arena[:n]
+    src = st.arena[:n].view(torch.int32)  # 4-byte elements: the copy's vector loads
     dst = torch.empty_like(src)
     graph, _ = capture_graph(lambda: dst.copy_(src))
     us = replay_ms(graph, n=max(2, replays // 4), reps=5) * 1e3
