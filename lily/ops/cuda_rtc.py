@@ -169,7 +169,7 @@ def load(source: str, name: str, smem: int = 0, options: tuple[str, ...] = ()) -
     if key in _MODULES:
         return _MODULES[key]
     cubin = compile_cubin(source, arch, options)
-    torch.cuda.current_stream()  # the primary context is current
+    torch.cuda.synchronize()  # the runtime's primary context exists and is current here
     module, func = ctypes.c_void_p(), ctypes.c_void_p()
     _check_cu(_driver().cuModuleLoadData(ctypes.byref(module), cubin), "module load")
     _check_cu(_driver().cuModuleGetFunction(ctypes.byref(func), module, name.encode()), "function")

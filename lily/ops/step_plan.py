@@ -218,7 +218,7 @@ class Hardware:
     link: float = 1.3e-6
     latency: float = 0.8e-6
     buffer: float = 132 * 192e3
-    work: float = 0.06e-12
+    work: float = 0.1e-12
     tail: float = 0.2e-6
 
 

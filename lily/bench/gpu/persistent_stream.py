@@ -35,6 +35,8 @@ RESULTS = 64  # final values kept, by epoch
 SOURCE = r"""
 typedef unsigned int u32;
 typedef unsigned long long u64;
+#define CPAD 32  // a counter every 128 bytes: polls of one phase and arrivals at the next
+                 // do not share a line
 
 __device__ __forceinline__ u32 smem_u32(const void* p) {
   u32 a; asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }"
@@ -128,10 +130,10 @@ persistent_stream(const unsigned char* arena, const int4* chunks, const int* fir
     for (int p = 0; p < P; ++p) {
       const int lo = my_first[p], hi = my_first[p + 1];
       if (lo == hi) continue;
-      if (mode == 2 && after[p] >= 0 && lane == 0) wait_count(counters + after[p], target);
+      if (mode == 2 && after[p] >= 0 && lane == 0) wait_count(counters + after[p] * CPAD, target);
       u32 route = 0;
       if (fetch[p] >= 0) {  // the routing: known once the router phase is complete
-        if (mode != 0 && lane == 0) wait_count(counters + fetch[p], target);
+        if (mode != 0 && lane == 0) wait_count(counters + fetch[p] * CPAD, target);
         __syncwarp();
         route = warp_act_sum(act + (long long)fetch[p] * ACT);
       }
@@ -164,7 +166,7 @@ persistent_stream(const unsigned char* arena, const int4* chunks, const int* fir
     const int dep = after[p];
     u32 a_in = e;
     if (dep >= 0) {
-      if (mode != 0 && t == 0) wait_count(counters + dep, target);
+      if (mode != 0 && t == 0) wait_count(counters + dep * CPAD, target);
       consumers_sync();
       if (TRACE && t == 0) t1 = now();
       u32 part = 0;
@@ -212,11 +214,11 @@ persistent_stream(const unsigned char* arena, const int4* chunks, const int* fir
       }
       if (p < P - 1) {
         asm volatile("fence.acq_rel.gpu; red.relaxed.gpu.global.add.u32 [%0], 1;"
-                     :: "l"(counters + p) : "memory");
+                     :: "l"(counters + p * CPAD) : "memory");
       } else {
         u32 old;
         asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
-                     : "=r"(old) : "l"(counters + p) : "memory");
+                     : "=r"(old) : "l"(counters + p * CPAD) : "memory");
         last_flag = (old == target - 1u);
       }
     }
@@ -357,7 +359,7 @@ def runner(st: Stream, mode: int, *, stages: int, warps: int = 8, mma: bool = Fa
     dev = st.arena.device
     n = len(st.phases)
     bufs = {
-        "counters": torch.zeros(n, dtype=torch.int32, device=dev),
+        "counters": torch.zeros(n * 32, dtype=torch.int32, device=dev),  # CPAD apart
         "act": torch.zeros(n * ACT, dtype=torch.int32, device=dev),
         "epoch": torch.zeros(1, dtype=torch.int32, device=dev),
         "results": torch.zeros(RESULTS, dtype=torch.int32, device=dev),

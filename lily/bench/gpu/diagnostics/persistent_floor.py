@@ -71,8 +71,9 @@ def timeline(r: ps.Runner) -> dict:
     r.launch()
     torch.cuda.synchronize()
     st = r.st
-    tr = r.buffers["trace"].view(st.blocks, len(st.phases), 3).double()
-    t0 = tr[:, 0, 0].min()
+    tr = r.buffers["trace"].view(st.blocks, len(st.phases), 3)
+    tr = (tr - tr[:, 0, 0].min()).double()  # ns from the first stamp (exact in a double)
+    t0 = 0.0
     ends = tr[:, :, 2].max(0).values
     wait = (tr[:, :, 1] - tr[:, :, 0]).mean(0)
     work = (tr[:, :, 2] - tr[:, :, 1]).mean(0)
