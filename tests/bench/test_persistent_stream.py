@@ -48,7 +48,7 @@ def walk_tables(st: ps.Stream, epoch: int) -> int:
                 else:
                     e = (route + 37 * slot) % M32 % st.n_experts
                     base = t["routed_base"][p] + e * t["routed_stride"][p] + off
-                assert base % 16 == 0 and n % 16 == 0
+                assert base % 16 == 0 and n % 16 == 0 and base + n <= st.arena.numel()
                 s += int(words[base // 4 : (base + n) // 4].sum())
             total += (s + inp) % M32
         a.append(total % M32)
@@ -86,6 +86,7 @@ def test_kernel_matches_the_host_every_step(mode, mma):
     for _ in range(4):
         r.launch()
     torch.cuda.synchronize()
+    assert not r.aborted
     assert r.results() == [ps.expected_final(st, e) for e in range(1, 5)]
 
 
@@ -97,4 +98,5 @@ def test_kernel_on_the_full_sm_count_with_a_deep_ring():
     for _ in range(3):
         r.launch()
     torch.cuda.synchronize()
+    assert not r.aborted
     assert r.results() == [ps.expected_final(st, e) for e in range(1, 4)]

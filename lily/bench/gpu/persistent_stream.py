@@ -49,13 +49,16 @@ __device__ __forceinline__ u32 ld_acquire(const u32* p) {
 __device__ __forceinline__ uint4 ld_cg4(const uint4* p) {
   uint4 v; asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];"
                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p)); return v; }
-// Spins until the counter reaches target; gives up after ~2 s (a broken protocol then fails
-// the host's check instead of hanging the GPU).
-__device__ __forceinline__ void wait_count(const u32* c, u32 target) {
+// Spins until the counter reaches target. A wait that lasts 0.5 s sets *abort, and every
+// wait returns at once after that: a broken protocol fails the host's check in about a
+// second instead of hanging the GPU for minutes.
+__device__ __forceinline__ void wait_count(const u32* c, u32 target, u32* abort) {
   u64 start = 0;
   for (u32 i = 1; (int)(ld_acquire(c) - target) < 0; ++i) {
     if ((i & 1023u) == 0) {
-      if (!start) start = now(); else if (now() - start > 2000000000ull) return;
+      if (*(volatile u32*)abort) return;
+      if (!start) start = now();
+      else if (now() - start > 500000000ull) { *(volatile u32*)abort = 1u; return; }
     }
   }
 }
@@ -107,7 +110,8 @@ persistent_stream(const unsigned char* arena, const int4* chunks, const int* fir
                   const long long* fixed_base, const long long* routed_base,
                   const long long* routed_stride, const int* after, const int* fetch,
                   u32* counters, u32* act, u32* epoch, u32* results, u64* trace,
-                  float* sink, long long n_phases, long long n_experts, long long mode) {
+                  float* sink, u32* abort, long long n_phases, long long n_experts,
+                  long long mode) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) u64 bars[2 * NSTAGE];
   __shared__ u32 red[NCW];
@@ -130,10 +134,11 @@ persistent_stream(const unsigned char* arena, const int4* chunks, const int* fir
     for (int p = 0; p < P; ++p) {
       const int lo = my_first[p], hi = my_first[p + 1];
       if (lo == hi) continue;
-      if (mode == 2 && after[p] >= 0 && lane == 0) wait_count(counters + after[p] * CPAD, target);
+      if (mode == 2 && after[p] >= 0 && lane == 0)
+        wait_count(counters + after[p] * CPAD, target, abort);
       u32 route = 0;
       if (fetch[p] >= 0) {  // the routing: known once the router phase is complete
-        if (mode != 0 && lane == 0) wait_count(counters + fetch[p] * CPAD, target);
+        if (mode != 0 && lane == 0) wait_count(counters + fetch[p] * CPAD, target, abort);
         __syncwarp();
         route = warp_act_sum(act + (long long)fetch[p] * ACT);
       }
@@ -166,7 +171,7 @@ persistent_stream(const unsigned char* arena, const int4* chunks, const int* fir
     const int dep = after[p];
     u32 a_in = e;
     if (dep >= 0) {
-      if (mode != 0 && t == 0) wait_count(counters + dep * CPAD, target);
+      if (mode != 0 && t == 0) wait_count(counters + dep * CPAD, target, abort);
       consumers_sync();
       if (TRACE && t == 0) t1 = now();
       u32 part = 0;
@@ -335,8 +340,14 @@ class Runner:
         self.kernel.launch(self.st.blocks, (self.warps + 1) * 32, [
             self.st.arena, t["chunks"], t["first"], t["fixed_base"], t["routed_base"],
             t["routed_stride"], t["after"], t["fetch"], b["counters"], b["act"], b["epoch"],
-            b["results"], b["trace"], b["sink"], len(self.st.phases), self.st.n_experts, self.mode,
+            b["results"], b["trace"], b["sink"], b["abort"], len(self.st.phases),
+            self.st.n_experts, self.mode,
         ])  # fmt: skip
+
+    @property
+    def aborted(self) -> bool:
+        """Whether a wait gave up (the protocol is broken: the values are wrong)."""
+        return bool(self.buffers["abort"].item())
 
     def results(self) -> list[int]:
         """The final values of the steps so far (epoch 1..), as uint32."""
@@ -365,5 +376,6 @@ def runner(st: Stream, mode: int, *, stages: int, warps: int = 8, mma: bool = Fa
         "results": torch.zeros(RESULTS, dtype=torch.int32, device=dev),
         "trace": torch.zeros(st.blocks * n * 3 if trace else 1, dtype=torch.int64, device=dev),
         "sink": torch.zeros((warps + 1) * 32, dtype=torch.float32, device=dev),
+        "abort": torch.zeros(1, dtype=torch.int32, device=dev),
     }
     return Runner(st, kernel, warps, mode, bufs)
