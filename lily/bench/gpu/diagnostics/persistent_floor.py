@@ -129,7 +129,7 @@ def context_rows(cfg: ModelConfig, ctx: int, args, sms: int) -> list[dict]:
         row["check"] = check(r) if mode else "not checked (no waits)"
         us = step_us(r, args.replays)
         measured[label] = us
-        rate = gb * 1e3 / us
+        rate = gb * 1e6 / us  # GB/s
         row.update(us=round(us, 1), GBps=round(rate, 1), of_copy=round(rate / ceiling, 3),
                    tok_per_s=round(1e6 / us, 1))  # fmt: skip
         if mode == 1:
