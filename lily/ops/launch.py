@@ -143,6 +143,8 @@ def _spec(a) -> tuple:
         return ("f",)
     if a is None:
         return ("n",)
+    if type(a).__name__ == "TensorDescriptor":  # Triton keys it by dtype and box
+        return ("td", a.base.dtype, tuple(a.block_shape), a.padding)
     raise TypeError(type(a))
 
 
