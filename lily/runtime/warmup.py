@@ -9,11 +9,9 @@ paid for its compiles: 20.9 s for the first 4K prompt on a fresh H200, 0.25 s on
 start of the server (issue 19). Warm-up runs throwaway work that covers those classes:
 
 - prefills of a representative length from every class of chunk lengths (the tile tables'
-  intervals, each with its ints in both divisibility classes) and of every prefill graph's
-  bucket (lily/runtime/prefill_graph.py: chunks up to 1,024 tokens are graph replays, the
-  first of each bucket and context bucket captures), from position 0 with snapshot cuts,
-  after a chunk of history at an aligned and at an odd position (attention splits its keys
-  there), and short ones after a long history (up to 16 splits);
+  intervals, each with its ints in both divisibility classes), from position 0 with
+  snapshot cuts, after a chunk of history at an aligned and at an odd position (attention
+  splits its keys there), and short ones after a long history (up to 16 splits);
 - one-token chunks at positions that cover attention decode's block counts;
 - decode steps on the working state at its context buckets (this captures their CUDA
   graphs), unsampled and with the device sampler for greedy and the model's defaults.
@@ -34,7 +32,6 @@ import torch
 
 from lily.config import ModelConfig
 from lily.ops.qgemv import MAX_ROWS as GEMV_ROWS  # chunks this short take the GEMV
-from lily.runtime.prefill_graph import BUCKETS
 from lily.runtime.sampling import SamplingParams
 from lily.runtime.state import SessionState
 
@@ -127,7 +124,7 @@ def _cuts(t: int, how: str) -> tuple[int, ...]:
 def prefill_probes(cfg: ModelConfig, chunk: int, max_context: int) -> list[Probe]:
     """The throwaway prefills (chunks that do not fit ``max_context`` are left out)."""
     probes = []
-    for t in sorted(set(chunk_lengths(cfg, chunk)) | {b for b in BUCKETS if b <= chunk}):
+    for t in chunk_lengths(cfg, chunk):
         probes += [
             Probe(t, 0, _cuts(t, "two")),
             Probe(t, chunk),
