@@ -8,6 +8,10 @@ import sys
 import time
 from pathlib import Path
 
+# The architectures lily/ops/arch.py has records for (kept here as names: the command line
+# must not import torch before it needs to).
+GPU_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_120")
+
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint directory (default: the built-in tiny model)")
@@ -24,6 +28,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="device memory for earlier turns' saved states (0: no reuse)")  # fmt: skip
     p.add_argument("--prefix-cache-host-gb", type=float, default=0.0,
                    help="host memory they spill to when the device budget is full")  # fmt: skip
+    p.add_argument("--gpu-arch", default="auto", choices=["auto", *GPU_ARCHS],
+                   help="kernel tables and features of this GPU architecture instead of the "
+                        "device's own (e.g. sm_89 on an H200: no PDL, no warpgroup MMA, "
+                        "small-shared-memory tiles), to measure a fallback")  # fmt: skip
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -62,6 +70,7 @@ def engine_config(args: argparse.Namespace):
         use_kernels=kernels,
         prefix_cache_gb=getattr(args, "prefix_cache_gb", 1.0),
         prefix_cache_host_gb=getattr(args, "prefix_cache_host_gb", 0.0),
+        gpu_arch=None if getattr(args, "gpu_arch", "auto") == "auto" else args.gpu_arch,
     )
 
 

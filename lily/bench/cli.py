@@ -29,6 +29,7 @@ def _source_kw(args: argparse.Namespace) -> dict:
         "dtype": ecfg.dtype,
         "prefill_chunk": ecfg.prefill_chunk,
         "use_kernels": ecfg.use_kernels,
+        "gpu_arch": ecfg.gpu_arch,
     }
 
 

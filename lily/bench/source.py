@@ -41,6 +41,7 @@ def engine_config(source: dict) -> EngineConfig:
         dtype=source.get("dtype", "float32"),
         prefill_chunk=source.get("prefill_chunk", 2048),
         use_kernels=bool(source.get("use_kernels", False)),
+        gpu_arch=source.get("gpu_arch"),
     )
 
 

@@ -162,6 +162,7 @@ class LilyAdapter(BenchAdapter):
             "scored_by": "runner decode steps" if self.score_via_runner else "reference forward",
             "use_kernels": ecfg.use_kernels,
             "prefill_chunk": ecfg.prefill_chunk,
+            "gpu_arch": ecfg.gpu_arch or "device's own",
         }
 
 

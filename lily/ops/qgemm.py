@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.ops.arch import DEFAULT, Arch, current_arch
 from lily.ops.launch import cdiv, check_weight, check_x, launched, mask_lo
 from lily.ops.qgemv import _as_f
 from lily.ops.rmsnorm import cast_to, to_bf16
@@ -178,7 +179,7 @@ def block_m_for(rows: float) -> int:
 
 
 @functools.lru_cache(maxsize=1024)  # tiles are pure functions of the shape
-def gemm_config(t: int, n: int, k: int, group_size: int) -> GemmConfig:
+def gemm_config(t: int, n: int, k: int, group_size: int, arch: Arch = DEFAULT) -> GemmConfig:
     """Tile for a shape (stand-in for a measured table; see docs/notes/linear_kernels.md)."""
     bm = block_m_for(t)
     bk = max(64, group_size)
@@ -245,6 +246,6 @@ def qgemm(
     out = torch.empty((x.shape[0], n), dtype=out_dtype or torch.bfloat16, device=x.device)
     if x.shape[0] == 0:
         return out
-    cfg = config or gemm_config(x.shape[0], n, k, w.group_size)
+    cfg = config or gemm_config(x.shape[0], n, k, w.group_size, current_arch(x.device))
     _launch_qgemm(x, w, out, cfg, precise)
     return out

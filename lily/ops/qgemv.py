@@ -340,9 +340,10 @@ def gemv_config(n: int, k: int, t: int, bits: int, group_size: int) -> GemvConfi
         wpg = group_size * bits // 32
         per_step = max(1, _STEP_WORDS // (block_n * wpg))
     else:
-        # Registers hold T rows of x-side values: 2048 codes a row per step over T.
+        # Registers hold T rows of x-side values: 2048 codes a row per step over T,
+        # rounded down to a power of two (T = 3, 5, 6 gave 10, 6, 5 groups: no tile).
         block_n = 8
-        per_step = max(1, 2048 // group_size // t)
+        per_step = 1 << (max(1, 2048 // group_size // t).bit_length() - 1)
     per_step = min(pow2(n_groups), per_step)
     row_blocks = cdiv(n, block_n)
     split = 1

@@ -214,8 +214,10 @@ def make_runner(model: Model, engine_cfg: EngineConfig) -> Runner:
     if engine_cfg.use_kernels:
         if not str(engine_cfg.device).startswith("cuda"):
             raise ValueError("the kernel path (use_kernels) needs a CUDA device")
+        from lily.ops.arch import force_arch
         from lily.runtime.gpu_runner import GpuRunner
 
+        force_arch(engine_cfg.gpu_arch)  # before any kernel compiles (see lily/ops/arch.py)
         return GpuRunner(model, engine_cfg.prefill_chunk)
     return ReferenceRunner(model, engine_cfg.prefill_chunk)
 

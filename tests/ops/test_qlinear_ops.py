@@ -158,6 +158,18 @@ def test_gemv_config_shapes():
         assert cfg.split_k == 1 or n < 1536, (n, k, cfg)
 
 
+def test_gemv_config_every_row_count():
+    """Prefill chunks of 2-8 tokens take the GEMV: a tile for each row count at the model's
+    K (3, 5 and 6 rows at K = 2048 asked for 10, 6 and 5 groups a step: no valid tile, so
+    such a chunk raised; found by the compile matrix)."""
+    for t in range(1, 9):
+        for n, k in [(12352, 2048), (9216, 2048), (2048, 4096), (248320, 2048), (96, 192)]:
+            cfg = gemv_config(n, k, t, 4, 64)  # GemvConfig checks its tiles
+            assert cfg.block_g & (cfg.block_g - 1) == 0
+            if 1 < t and n < 65536:  # (the lm_head's own tile takes one row)
+                assert t * cfg.block_g * 64 <= 2048, (t, n, k, cfg)  # x-side registers
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bits,gs", [(4, 64), (4, 32), (8, 64)], ids=lambda v: str(v))
 @pytest.mark.parametrize(

@@ -1,0 +1,197 @@
+"""The architecture records and what they switch (lily/ops/arch.py): which tables and
+features each GPU gets, the ``--gpu-arch`` fallback switch, and that the fallback computes
+the same outputs as the H200's tables (tiny model and MoE under the Triton interpreter)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from lily.ops.arch import (
+    ARCHS,
+    DEFAULT,
+    arch_for_capability,
+    arch_named,
+    current_arch,
+    force_arch,
+    forced_arch,
+)
+from lily.ops.attention_prefill import FlashTile, flash_tile
+from lily.ops.launch import record_launches
+from lily.ops.launchable import Variant, launches
+from lily.ops.matrix import freeze
+from lily.ops.moe_prefill import moe_prefill, moe_prefill_config
+from lily.ops.qgemm import GemmConfig
+from lily.ops.ref_linear import ref_moe
+from tests.ops.common import rel_err
+
+
+@pytest.fixture
+def forced():
+    """Call it to force an arch for the test; the device's own again afterwards."""
+    yield force_arch
+    force_arch(None)
+
+
+def test_records_by_capability():
+    assert arch_for_capability(9, 0) is ARCHS["sm_90"]
+    assert arch_for_capability(8, 9) is ARCHS["sm_89"]
+    assert ARCHS["sm_90"].pdl and ARCHS["sm_90"].wgmma and ARCHS["sm_90"].big_smem
+    assert ARCHS["sm_120"].pdl and not ARCHS["sm_120"].wgmma and not ARCHS["sm_120"].big_smem
+    for name in ("sm_80", "sm_86", "sm_89"):
+        assert not ARCHS[name].pdl and not ARCHS[name].wgmma
+    assert [a.smem for a in ARCHS.values()] == [166912, 101376, 101376, 232448, 101376]
+    # a capability without a record: the small tables, PDL from sm_90 on, no wgmma
+    for (major, minor), pdl in (((8, 7), False), ((10, 0), True), ((12, 1), True)):
+        a = arch_for_capability(major, minor)
+        assert (a.smem, a.pdl, a.wgmma) == (101376, pdl, False)
+    assert arch_named("89") is ARCHS["sm_89"]
+    with pytest.raises(ValueError, match="unknown GPU architecture 'sm_75'.*sm_80"):
+        arch_named("sm_75")
+
+
+def test_cpu_and_meta_use_the_tuned_tables_unless_forced(forced):
+    assert current_arch(torch.device("cpu")) is DEFAULT
+    assert current_arch(torch.device("meta")) is DEFAULT
+    forced("sm_89")
+    assert forced_arch() is ARCHS["sm_89"]
+    assert current_arch(torch.device("cpu")) is ARCHS["sm_89"]
+
+
+def test_forcing_below_sm90_turns_warpgroup_mma_off(forced, monkeypatch):
+    monkeypatch.delenv("DISABLE_MMA_V3", raising=False)
+    forced("sm_89")
+    assert os.environ["DISABLE_MMA_V3"] == "1"
+    forced("sm_120")  # also without wgmma: still off
+    assert os.environ["DISABLE_MMA_V3"] == "1"
+    forced(None)
+    assert "DISABLE_MMA_V3" not in os.environ
+    forced("sm_90")
+    assert "DISABLE_MMA_V3" not in os.environ
+    monkeypatch.setenv("DISABLE_MMA_V3", "1")  # the user's own setting stays
+    forced("sm_89")
+    forced(None)
+    assert os.environ["DISABLE_MMA_V3"] == "1"
+
+
+def test_h200_tables_are_unchanged():
+    """sm_90 keeps the tiles tuned on the H200 (the values before the per-arch tables)."""
+    assert flash_tile(DEFAULT) == FlashTile(128, 64, 8, 2)
+    assert flash_tile(ARCHS["sm_80"]) == FlashTile(128, 64, 8, 2)  # 144 KiB fits 163
+    cfg = moe_prefill_config(8192, 8, 256, DEFAULT)
+    h200 = (128, GemmConfig(128, 128, 128, 8, 3), GemmConfig(128, 128, 64, 8, 3))
+    assert (cfg.block_m, cfg.gate_up, cfg.down) == h200
+    assert moe_prefill_config(8192, 8, 256) == cfg
+
+
+@pytest.mark.parametrize("name", ["sm_80", "sm_86", "sm_89", "sm_120"])
+def test_fallback_tables(name):
+    a = ARCHS[name]
+    if not a.big_smem:
+        assert flash_tile(a) == FlashTile(64, 32, 4, 2)
+    cfg = moe_prefill_config(8192, 8, 256, a)
+    assert cfg.gate_up == GemmConfig(128, 64, 64, 8, 3) and cfg.down.block_n == 128
+    for t in (1, 100, 700, 2048):  # below 128 rows an expert: the H200's tiles
+        assert moe_prefill_config(t, 8, 256, a) == moe_prefill_config(t, 8, 256, DEFAULT)
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_pdl_only_where_the_arch_has_it(name):
+    """The decode step's kernels take PDL (constexpr and launch option) exactly on the archs
+    that have it; the prefill never does."""
+    a = ARCHS[name]
+    found = launches(Variant("full"), a)
+    pdl = {dict(launch.kwargs).get("PDL", False) for launch in found}
+    opt = {dict(launch.kwargs).get("launch_pdl", False) for launch in found}
+    assert pdl == ({False, True} if a.pdl else {False})
+    assert opt == pdl
+    for launch, where in found.items():
+        if dict(launch.kwargs).get("PDL"):
+            assert all(w.startswith("decode") for w in where), (launch, where)
+
+
+def test_cli_gpu_arch_switch():
+    from lily.cli import GPU_ARCHS, build_parser, engine_config
+
+    assert GPU_ARCHS == tuple(ARCHS)
+    ap = build_parser()
+    args = ap.parse_args(["generate", "--device", "cpu", "--gpu-arch", "sm_89", "hi"])
+    assert engine_config(args).gpu_arch == "sm_89"
+    assert engine_config(ap.parse_args(["generate", "--device", "cpu", "hi"])).gpu_arch is None
+    with pytest.raises(SystemExit):
+        ap.parse_args(["generate", "--gpu-arch", "sm_75", "hi"])
+
+
+def _moe(seed: int, t: int, d: int = 64, i: int = 64, e: int = 4):
+    from lily.quant import quantize
+
+    g = torch.Generator().manual_seed(seed)
+
+    def q(shape, bits=4):
+        return quantize(torch.randn(shape, generator=g) / shape[-1] ** 0.5, bits, 64)
+
+    w = [quantize(torch.randn(e, d, generator=g) / d**0.5, 8, 64), q((e, i, d)), q((e, i, d)),
+         q((e, d, i)), q((i, d)), q((i, d)), q((d, i)), q((1, d), 8)]  # fmt: skip
+    x = torch.randn(t, d, generator=g).bfloat16()
+    res = torch.randn(t, d, generator=g).bfloat16()
+    return w, x, res
+
+
+def test_moe_prefill_fallback_tile_same_result(forced, poison):
+    """201 tokens over 4 experts (top-2: 100 rows an expert) take the 128-row tile; forced
+    to sm_89 its gate/up GEMM runs 64 x 64 instead of 128 x 128: same maths, the same
+    output (to the last bf16 rounding) and within the reference's bound."""
+    w, x, res = _moe(5, 201)
+    assert moe_prefill_config(201, 2, 4).block_m == 128
+    y = moe_prefill(x, *w, 2, res)
+    forced("sm_89")
+    with record_launches() as rec:
+        moe_prefill(x, *w, 2, res)
+    gate_up = [freeze(r) for r in rec if freeze(r).name == "_moe_gate_up_kernel"]
+    assert dict(gate_up[0].kwargs)["BLOCK_N"] == 64
+    y89 = moe_prefill(x, *w, 2, res)
+    assert rel_err(y89, y) < 1e-3
+    ref = ref_moe(x, *w, 2, res)
+    assert rel_err(y89.float() - res.float(), ref - res.float()) < 2e-2
+
+
+def test_tiny_model_same_outputs_with_the_fallback(forced):
+    """The tiny model through the kernel runner (interpreter) with sm_89's tables and
+    switches: the prefill's flash tile is 64 x 32 on 4 warps instead of 128 x 64 on 8, and
+    the logits of an odd-length prompt and three decode steps stay those of the default."""
+    import tempfile
+
+    from lily.checkpoint import TINY_TEXT_CONFIG, write_random_checkpoint
+    from lily.config import ModelConfig
+    from lily.model.model import Model
+    from lily.runtime.gpu_runner import GpuRunner
+    from lily.runtime.state import SessionState
+    from lily.weights import load_params
+
+    with tempfile.TemporaryDirectory() as d:
+        write_random_checkpoint(d, TINY_TEXT_CONFIG, "mlx4", seed=5, progress=False)
+        cfg = ModelConfig.from_dir(d)
+        params = load_params(d, cfg, device="cpu", dtype=torch.bfloat16, progress=False)
+    runner = GpuRunner(Model(cfg, params, torch.bfloat16), chunk=16, use_graphs=False,
+                       sample_on_device=False)  # fmt: skip
+    prompt = [7, 300, 12, 45, 99, 1, 250, 31, 8, 77, 400, 5, 6, 140, 141, 142, 9, 3, 21]
+
+    def run() -> list[torch.Tensor]:
+        st = SessionState.new(cfg, "cpu", torch.bfloat16, 256)
+        out = [runner.prefill(prompt, st)]
+        for tok in (11, 222, 33):
+            out.append(runner.decode(tok, st))
+        return out
+
+    default = run()
+    forced("sm_89")
+    with record_launches() as rec:
+        runner.prefill(prompt, SessionState.new(cfg, "cpu", torch.bfloat16, 256))
+    flash = {freeze(r).kwargs for r in rec if freeze(r).name == "_flash_kernel"}
+    assert {(dict(k)["BM"], dict(k)["BN"], dict(k)["num_warps"]) for k in flash} == {(64, 32, 4)}
+    fallback = run()
+    for a, b in zip(fallback, default, strict=True):
+        assert rel_err(a, b) < 1e-2
+        assert int(a.argmax()) == int(b.argmax())

@@ -1,0 +1,144 @@
+"""The compile matrix: every kernel config the engine can launch, compiled for sm_80, sm_86,
+sm_89, sm_90 and sm_120 on this GPU-less machine and checked against each architecture's
+limits (shared memory a block, registers, spills): lily/ops/matrix.py compiles and checks,
+lily/ops/launchable.py says what the engine launches (docs/notes/compile_matrix.md).
+
+Tiers (LILY_COMPILE_MATRIX): ``ci`` (default) covers the full model's default run (4-bit
+checkpoint, bf16) and the tiny test model, less the multi-row GEMVs (2-8 token prefill
+chunks, see SLOW); ``full`` adds those, the 8-bit checkpoints and fp32 activations.
+Compiles run in two spawned worker processes (the interpreter the other CPU tests use
+cannot compile) and land in Triton's cache, so a second run is quick.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from lily.ops.arch import ARCHS, DEFAULT
+from lily.ops.launchable import (
+    MAX_CONTEXT,
+    SCAN_ROWS,
+    VARIANTS,
+    Variant,
+    config_key,
+    configs,
+    model_config,
+    prefill_tables,
+)
+from lily.ops.matrix import Launch, Result, check_all, compile_pool, problems, report
+
+TIER = os.environ.get("LILY_COMPILE_MATRIX", "ci")
+TIERS = {"ci": VARIANTS[:2], "full": VARIANTS}
+if TIER not in TIERS:
+    raise ValueError(f"LILY_COMPILE_MATRIX must be one of {sorted(TIERS)}, got {TIER!r}")
+
+
+def slow(launch: Launch) -> bool:
+    """The GEMV of a 4-8 row prefill chunk: its rows and K steps are unrolled (up to 128
+    tiles), and one compile takes 1-3 CPU minutes (docs/notes/compile_matrix.md): the ``full``
+    tier only. Nothing in it nears a limit (512 B of shared memory, no spills)."""
+    return launch.name == "_qgemv_kernel" and dict(launch.kwargs)["BLOCK_T"] >= 4
+
+
+@pytest.fixture(scope="session")
+def pool():
+    with compile_pool(2) as p:
+        yield p
+
+
+_results: dict[str, list[Result]] = {}
+
+
+def matrix_results(arch: str, pool) -> list[Result]:
+    """The tier's configs for ``arch``, compiled and checked once a session."""
+    if arch not in _results:
+        t0 = time.perf_counter()
+        found = configs(TIERS[TIER], ARCHS[arch])
+        jobs = [(launch, where) for launch, where in found.values()
+                if TIER == "full" or not slow(launch)]  # fmt: skip
+        res = check_all([(launch, arch) for launch, _ in jobs], pool)
+        for r, (_, where) in zip(res, jobs, strict=True):
+            r.cases = where
+        cpu = sum(r.seconds for r in res)
+        print(f"\n{arch}: {len(res)} configs ({TIER} tier), {cpu:.0f} CPU-s of compiles, "
+              f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
+        _results[arch] = res
+    return _results[arch]
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_every_config_fits(arch, pool):
+    """Each config the engine launches compiles for ``arch`` and fits its shared memory,
+    registers and spill bound; a failure names the kernel, config, arch and where it is
+    launched."""
+    res = matrix_results(arch, pool)
+    assert len(res) > 50  # the engine's configs were found
+    bad = report(res)
+    assert not bad, f"{len(bad)} configs do not fit {arch}:\n" + "\n".join(bad)
+
+
+def test_a_config_that_does_not_fit_is_named(pool):
+    """The H200's flash tile compiled for sm_89 (144 KiB of shared memory against 99):
+    the report names the kernel, the config and the arch."""
+    flash = next(launch for launch, _ in configs([Variant("full")], DEFAULT).values()
+                 if launch.name == "_flash_kernel")  # fmt: skip
+    (res,) = check_all([(flash, "sm_89")], pool)
+    res.cases = ["a test"]
+    assert res.error is None and res.shared > ARCHS["sm_89"].smem
+    (line,) = report([res])
+    assert "attention_prefill._flash_kernel[" in line and "BM=128" in line
+    assert f"on sm_89: shared memory {res.shared} B > {ARCHS['sm_89'].smem} B" in line
+    assert problems(res) == [line.split(": ", 1)[1].split(" (launched")[0]]
+
+
+def test_every_kernel_is_in_the_matrix():
+    """Every kernel in lily.ops is launched by the engine somewhere in the matrix, or is
+    listed here as one it never launches: a new kernel cannot escape the matrix."""
+    import importlib
+    import pkgutil
+
+    import lily.ops
+    from lily.ops.launch import Launched
+
+    kernels = set()
+    for m in pkgutil.iter_modules(lily.ops.__path__):
+        mod = importlib.import_module(f"lily.ops.{m.name}")
+        for name, obj in vars(mod).items():
+            own = isinstance(obj, Launched) and getattr(obj.fn, "fn", obj.fn).__module__
+            if own == mod.__name__:  # defined here, not imported
+                kernels.add((mod.__name__, name))
+    seen = set()
+    for arch in (DEFAULT, ARCHS["sm_89"]):
+        seen |= {key[:2] for key in configs(VARIANTS, arch)}
+    # DeltaNet prefill's token scan and chunk_par forms: the public op offers them, the
+    # engine runs method="chunk" (bench/gpu_mixer_kernels.py times the others).
+    unused = {("lily.ops.deltanet_recurrence", n)
+              for n in ("_scan_kernel", "_chunk_state_kernel", "_chunk_out_kernel")}  # fmt: skip
+    assert kernels - seen == unused
+    assert seen <= kernels
+
+
+def test_prefill_tables_are_constant_past_the_scan():
+    """The registry scans chunk lengths up to SCAN_ROWS; past it (up to the context) every
+    prefill table of the full model keeps its value, so no longer chunk picks a config the
+    matrix has not compiled."""
+    cfg = model_config(Variant("full"))
+    lengths = [SCAN_ROWS + 1, 20000, 32767, 32768, 65537, 131072, 200001, MAX_CONTEXT]
+    for arch in ARCHS.values():
+        for table in prefill_tables(cfg, arch):
+            last = table(SCAN_ROWS)
+            assert all(table(t) == last for t in lengths)
+
+
+def test_configs_dedupe_only_specializations():
+    """Launches that differ in a constexpr are separate configs; those that differ only in
+    an integer's divisibility (a chunk of 17 against 32 tokens) are one."""
+    found = configs([Variant("tiny")], DEFAULT)
+    keys = list(found)
+    assert len(keys) == len(set(keys))
+    flash = [k for k in keys if k[1] == "_flash_kernel"]
+    assert {dict(k[2])["IS_SPLIT"] for k in flash} == {False, True}
+    assert config_key(found[flash[0]][0]) == flash[0]
