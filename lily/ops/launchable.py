@@ -26,10 +26,10 @@ from lily.ops.launch import record_launches
 from lily.ops.matrix import Launch, freeze
 
 # Prefill chunks the tables are scanned over (at most the model's context): the engine's
-# default chunk is 2,048 and for the full model every table is constant past 1,409 rows
+# default chunk is 2,048 and for the full model every table is constant past 3,073 rows
 # (tests/ops/test_compile_matrix.py checks it up to the 262,144-token context).
 SCAN_ROWS = 16384
-# Decode context lengths scanned: the model's own maximum.
+# Decode context lengths scanned: at most the full model's context.
 MAX_CONTEXT = 262144
 
 
@@ -114,7 +114,8 @@ def prefill_lengths(cfg: ModelConfig, arch: Arch) -> list[int]:
 
 @functools.lru_cache(maxsize=16)
 def decode_lengths(arch: Arch, max_context: int = MAX_CONTEXT) -> list[int]:
-    """Context lengths (the decode graph's ``max_len``) that reach every attention decode
+    """Context lengths up to ``max_context`` (the decode graph's ``max_len``: a bucket, or
+    the KV cache's capacity below it, any length) that reach every attention decode
     variant: the first length of each (split or not, key tile, combine block)."""
     from lily.ops.attention_decode import decode_plan
 
@@ -184,7 +185,7 @@ def launches(v: Variant, arch: Arch) -> dict[Launch, list[str]]:
                 cuts = [state.length + t // 2] if t > 1 else []
                 runner.prefill_snapshots(ids, state, cuts)
             note(f"prefill T={t}", rec)
-        for n in decode_lengths(arch):
+        for n in decode_lengths(arch, min(MAX_CONTEXT, cfg.max_position_embeddings)):
             state = _state(cfg, dtype, capacity=n)
             state.length = n - 1
             with record_launches() as rec:

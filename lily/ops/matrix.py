@@ -167,7 +167,8 @@ def check(launch: Launch, arch_name: str) -> Result:
         res.shared = kernel.metadata.shared
         res.regs, res.stack = use["REG"], use["STACK"]
     except Exception as e:  # noqa: BLE001 -- reported as the failure of this config
-        res.error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
+        lines = str(e).strip().splitlines() or [""]
+        res.error = f"{type(e).__name__}: {lines[-1][:300]}"
     res.seconds = _cpu_seconds() - t0
     return res
 
@@ -218,8 +219,19 @@ def compile_pool(workers: int = 2, cache_dir: str | None = None) -> cf.ProcessPo
     kernels afresh, compiled rather than interpreted; ``cache_dir``: Triton's cache there
     (an empty one measures a cold compile)."""
     ctx = multiprocessing.get_context("spawn")
-    return cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
-                                  initargs=(cache_dir,))  # fmt: skip
+    # NOTE: a spawned child imports the parent's main module before any initializer runs;
+    # if that imports Triton with TRITON_INTERPRET set, its library functions are
+    # interpreted for good. So the workers start now, without the variable.
+    saved = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        pool = cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
+                                      initargs=(cache_dir,))  # fmt: skip
+        for f in [pool.submit(os.getpid) for _ in range(workers)]:
+            f.result()
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
+    return pool
 
 
 def check_all(jobs: Iterable[tuple[Launch, str]], pool: cf.Executor) -> list[Result]:
