@@ -79,7 +79,7 @@ def _int_class(a: int) -> int:
     return base + (16 if a % 16 == 0 else 17)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _params(raw) -> tuple[list[str], set[str]]:
     """Parameter names of a kernel's Python function and those annotated ``tl.constexpr``."""
     params = inspect.signature(raw).parameters.values()
