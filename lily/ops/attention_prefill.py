@@ -215,15 +215,21 @@ class FlashTile:
     num_stages: int
 
 
-def flash_tile(arch: Arch) -> FlashTile:
-    """The flash tile of an architecture (the compile matrix checks each fits).
+def flash_tile(arch: Arch, elem_bytes: int = 2) -> FlashTile:
+    """The flash tile of an architecture and KV-cache element size (the compile matrix
+    checks each fits).
 
     H200: 128 query rows x 64 keys on 8 warps (two warpgroups), 2 stages: faster than
     64 x 32 on 4 warps at every chunk and history measured, 3-8% (H200,
     bench/results/attn_tiles_all_h200.json); at Dh 256 it takes 192 KiB of shared memory
     on sm_90 and 144 KiB with MMAv2, so sm_80 (163 KiB) keeps it. With 99 KiB a block
     (sm_86, sm_89, sm_120) 64 x 32 on 4 warps, 2 stages: 68 KiB, at most 24 bytes of
-    spills (64 x 64 took 104 KiB, 128 x 32 104 KiB, 128 x 64 on one stage 112 KiB)."""
+    spills (64 x 64 took 104 KiB, 128 x 32 104 KiB, 128 x 64 on one stage 112 KiB).
+    An fp32 cache (``--dtype float32``) doubles every K/V tile: 128 x 64 took 384 KiB on
+    sm_90 (it could not launch on the H200 either); 32 x 32 on 4 warps takes 100 KiB and
+    32 x 16 66 KiB, neither spills."""
+    if elem_bytes > 2:
+        return FlashTile(32, 32, 4, 2) if arch.big_smem else FlashTile(32, 16, 4, 2)
     if arch.big_smem:
         return FlashTile(128, 64, 8, 2)
     return FlashTile(64, 32, 4, 2)
@@ -318,7 +324,7 @@ def attention_prefill(
     _check(h % hkv == 0, lambda: f"{h} query heads do not group over {hkv} KV heads")
     g = h // hkv
     arch = current_arch(qg.device)
-    tile = flash_tile(arch)
+    tile = flash_tile(arch, k_cache.element_size())
     block_m = block_m or tile.block_m
     block_n = block_n or tile.block_n
     num_warps = num_warps or tile.num_warps

@@ -214,31 +214,80 @@ def _worker_init(cache_dir: str | None) -> None:
     torch.set_num_threads(1)
 
 
-def compile_pool(workers: int = 2, cache_dir: str | None = None) -> cf.ProcessPoolExecutor:
-    """Worker processes for ``check_all``: spawned (not forked) so that they import the
+class CompilePool:
+    """Worker processes for ``check_all``, spawned (not forked) so that they import the
     kernels afresh, compiled rather than interpreted; ``cache_dir``: Triton's cache there
-    (an empty one measures a cold compile)."""
-    ctx = multiprocessing.get_context("spawn")
-    # NOTE: a spawned child imports the parent's main module before any initializer runs;
-    # if that imports Triton with TRITON_INTERPRET set, its library functions are
-    # interpreted for good. So the workers start now, without the variable.
-    saved = os.environ.pop("TRITON_INTERPRET", None)
-    try:
-        pool = cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
-                                      initargs=(cache_dir,))  # fmt: skip
-        for f in [pool.submit(os.getpid) for _ in range(workers)]:
-            f.result()
-    finally:
-        if saved is not None:
-            os.environ["TRITON_INTERPRET"] = saved
-    return pool
+    (an empty one measures a cold compile). A context manager; ``restart`` replaces
+    workers a crash took down."""
+
+    def __init__(self, workers: int = 2, cache_dir: str | None = None):
+        self.workers, self.cache_dir = workers, cache_dir
+        self.executor = self._start()
+
+    def _start(self) -> cf.ProcessPoolExecutor:
+        ctx = multiprocessing.get_context("spawn")
+        # NOTE: a spawned child imports the parent's main module before any initializer
+        # runs; if that imports Triton with TRITON_INTERPRET set, its library functions are
+        # interpreted for good. So the workers start now, without the variable.
+        saved = os.environ.pop("TRITON_INTERPRET", None)
+        try:
+            pool = cf.ProcessPoolExecutor(self.workers, mp_context=ctx,
+                                          initializer=_worker_init,
+                                          initargs=(self.cache_dir,))  # fmt: skip
+            for f in [pool.submit(os.getpid) for _ in range(self.workers)]:
+                f.result()
+        finally:
+            if saved is not None:
+                os.environ["TRITON_INTERPRET"] = saved
+        return pool
+
+    def restart(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.executor = self._start()
+
+    def __enter__(self) -> CompilePool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.executor.shutdown(cancel_futures=True)
 
 
-def check_all(jobs: Iterable[tuple[Launch, str]], pool: cf.Executor) -> list[Result]:
+def compile_pool(workers: int = 2, cache_dir: str | None = None) -> CompilePool:
+    """A ``CompilePool`` of ``workers`` processes."""
+    return CompilePool(workers, cache_dir)
+
+
+def check_all(jobs: Iterable[tuple[Launch, str]], pool: CompilePool) -> list[Result]:
     """``check`` every (launch, arch name) on ``pool``; results in the order of ``jobs``.
+
+    A compile that kills its worker (a crash in Triton's compiler, or out of memory) takes
+    the pool's other jobs down with it: those are run again, and where a second batch
+    breaks too, one at a time, so that only the culprit is reported (as not compiling).
     NOTE: only the launch's names and values cross; the worker imports the kernel."""
-    futures = [pool.submit(check, launch, arch) for launch, arch in jobs]
-    return [f.result() for f in futures]
+    jobs = list(jobs)
+    results: list[Result | None] = [None] * len(jobs)
+    todo, alone = list(range(len(jobs))), False
+    while todo:
+        batches = [[i] for i in todo] if alone else [todo]
+        broken = []
+        for batch in batches:
+            futures = {i: pool.executor.submit(check, *jobs[i]) for i in batch}
+            crashed = []
+            for i, f in futures.items():
+                try:
+                    results[i] = f.result()
+                except cf.process.BrokenProcessPool:
+                    crashed.append(i)
+            if crashed:
+                pool.restart()
+                if alone:  # this job alone took its worker down
+                    launch, arch = jobs[crashed[0]]
+                    results[crashed[0]] = Result(launch, arch, error="the compiler crashed "
+                                                 "(its worker process died)")  # fmt: skip
+                else:
+                    broken += crashed
+        todo, alone = broken, True
+    return results
 
 
 def report(results: Iterable[Result]) -> list[str]:

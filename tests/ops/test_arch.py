@@ -18,7 +18,9 @@ from lily.ops.arch import (
     force_arch,
     forced_arch,
 )
+from lily.ops.attention_decode import decode_block_n
 from lily.ops.attention_prefill import FlashTile, flash_tile
+from lily.ops.deltanet_prefill import chunk_tile
 from lily.ops.launch import record_launches
 from lily.ops.launchable import Variant, launches
 from lily.ops.matrix import freeze
@@ -86,6 +88,8 @@ def test_h200_tables_are_unchanged():
     """sm_90 keeps the tiles tuned on the H200 (the values before the per-arch tables)."""
     assert flash_tile(DEFAULT) == FlashTile(128, 64, 8, 2)
     assert flash_tile(ARCHS["sm_80"]) == FlashTile(128, 64, 8, 2)  # 144 KiB fits 163
+    assert decode_block_n(DEFAULT) == 64 and decode_block_n(DEFAULT, 4) == 64
+    assert chunk_tile(DEFAULT) == (32, None) and chunk_tile(DEFAULT, 4) == (32, None)
     cfg = moe_prefill_config(8192, 8, 256, DEFAULT)
     h200 = (128, GemmConfig(128, 128, 128, 8, 3), GemmConfig(128, 128, 64, 8, 3))
     assert (cfg.block_m, cfg.gate_up, cfg.down) == h200
@@ -97,6 +101,12 @@ def test_fallback_tables(name):
     a = ARCHS[name]
     if not a.big_smem:
         assert flash_tile(a) == FlashTile(64, 32, 4, 2)
+        assert flash_tile(a, 4) == FlashTile(32, 16, 4, 2)  # an fp32 KV cache
+        assert decode_block_n(a, 4) == 32
+    else:
+        assert flash_tile(a, 4) == FlashTile(32, 32, 4, 2)
+    assert decode_block_n(a) == 64
+    assert chunk_tile(a) == (32, None) and chunk_tile(a, 4) == (16, 8)
     cfg = moe_prefill_config(8192, 8, 256, a)
     assert cfg.gate_up == GemmConfig(128, 64, 64, 8, 3) and cfg.down.block_n == 128
     for t in (1, 100, 700, 2048):  # below 128 rows an expert: the H200's tiles
