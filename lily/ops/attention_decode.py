@@ -222,7 +222,8 @@ def attention_decode(
     batch dim of 1 is allowed on qg, k, v. ``max_len`` bounds pos+1 (default T_max; keep it
     fixed within a captured graph): at or above ``split_threshold`` the split-KV variant runs
     with blocks of ``split`` rows (default ``default_split(max_len)``; 0 forces the plain
-    variant, which was slower than split-KV from 256 context on in the H200 sweep). Returns
+    variant, which was slower than split-KV from 256 context on in the H200 sweep); keys a
+    step ``block_n`` (default ``decode_block_n`` of the arch and cache dtype). Returns
     (H*Dh,) in qg's dtype.
 
     NOTE: no programmatic dependent launch here: with it (the kernels and the output

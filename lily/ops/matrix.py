@@ -30,8 +30,9 @@ import torch
 
 from lily.ops.arch import ARCHS, Arch
 
-# Stack frame a kernel may have (bytes a thread): register spills go there. None of the
-# kernels spills on sm_90; a few spill a little at the 255-register cap on other archs.
+# Stack frame a config may have (bytes a thread): no kernel here has local arrays, so it
+# is register spills. The H200's configs have at most 48 B, the largest kept anywhere is
+# 160 (sm_80's flash tile); the MoE tile this rejected spilled about 2 KB a thread.
 STACK_LIMIT = 256
 
 

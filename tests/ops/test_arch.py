@@ -25,7 +25,7 @@ from lily.ops.launch import record_launches
 from lily.ops.launchable import Variant, launches
 from lily.ops.matrix import freeze
 from lily.ops.moe_prefill import moe_prefill, moe_prefill_config
-from lily.ops.qgemm import GemmConfig
+from lily.ops.qgemm import GemmConfig, gemm_config
 from lily.ops.ref_linear import ref_moe
 from tests.ops.common import rel_err
 
@@ -90,6 +90,7 @@ def test_h200_tables_are_unchanged():
     assert flash_tile(ARCHS["sm_80"]) == FlashTile(128, 64, 8, 2)  # 144 KiB fits 163
     assert decode_block_n(DEFAULT) == 64 and decode_block_n(DEFAULT, 4) == 64
     assert chunk_tile(DEFAULT) == (32, None) and chunk_tile(DEFAULT, 4) == (32, None)
+    assert gemm_config(97, 12352, 2048, 64, DEFAULT, 4) == GemmConfig(128, 64, 64, 4, 4)
     cfg = moe_prefill_config(8192, 8, 256, DEFAULT)
     h200 = (128, GemmConfig(128, 128, 128, 8, 3), GemmConfig(128, 128, 64, 8, 3))
     assert (cfg.block_m, cfg.gate_up, cfg.down) == h200
@@ -107,6 +108,9 @@ def test_fallback_tables(name):
         assert flash_tile(a, 4) == FlashTile(32, 32, 4, 2)
     assert decode_block_n(a) == 64
     assert chunk_tile(a) == (32, None) and chunk_tile(a, 4) == (16, 8)
+    deep = gemm_config(97, 12352, 2048, 64, DEFAULT)  # the 4-stage dense tile
+    assert gemm_config(97, 12352, 2048, 64, a) == deep
+    assert gemm_config(97, 12352, 2048, 64, a, 4).num_stages == (4 if a.big_smem else 3)
     cfg = moe_prefill_config(8192, 8, 256, a)
     assert cfg.gate_up == GemmConfig(128, 64, 64, 8, 3) and cfg.down.block_n == 128
     for t in (1, 100, 700, 2048):  # below 128 rows an expert: the H200's tiles
