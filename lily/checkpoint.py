@@ -7,6 +7,9 @@ generation_config.json, safetensors, tokenizer) in the MLX 4-bit or 8-bit layout
 Safetensors files are written by a small streaming writer: one tensor is generated, written
 and dropped at a time, so the full 19.5 GB model needs little memory. Quantized weights
 are generated as codes, scales and biases directly instead of quantizing a dense matrix.
+Two inits: "plain" (every weight about normal(0, 0.02)) and, in the MLX layouts,
+"conditioned": the benchmark model of lily/bench/conditioned.py, the same bytes
+``random_params(cfg, "cpu", layout, seed)`` builds.
 """
 
 from __future__ import annotations
@@ -165,7 +168,7 @@ def _random_quant(
 
 
 def _tensors(
-    cfg: ModelConfig, layout: Layout, dtype: torch.dtype, seed: int
+    cfg: ModelConfig, layout: Layout, dtype: torch.dtype, seed: int, init: str = "plain"
 ) -> tuple[list[tuple[str, str, tuple[int, ...]]], Iterator[list[torch.Tensor]]]:
     """(key, safetensors dtype, shape) of every tensor, and a generator of their values
     group by group in the same order."""
@@ -191,7 +194,29 @@ def _tensors(
                     for k, s, _ in grp
                 ]
 
+    if init == "conditioned":
+        return specs, _conditioned_values(cfg, layout, dtype, seed)
     return specs, values()
+
+
+def _conditioned_values(cfg: ModelConfig, layout: Layout, dtype: torch.dtype, seed: int
+                        ) -> Iterator[list[torch.Tensor]]:  # fmt: skip
+    """The well-conditioned model's tensors (lily/bench/conditioned.py), group by group as
+    ``expected_tensors(cfg, "mlx")`` lists them: the bytes ``random_params(cfg, "cpu",
+    layout, seed)`` builds, one parameter at a time."""
+    from lily.bench.conditioned import DEFAULT
+    from lily.bench.random_tensors import packing, random_tensor
+    from lily.quant import QuantWeight
+    from lily.weights import canonical_shapes
+
+    bits = packing(cfg, layout)
+    cpu = torch.device("cpu")
+    for name, shape in canonical_shapes(cfg).items():
+        w = random_tensor(cfg, name, shape, bits[name], cpu, seed, dtype, DEFAULT)
+        if isinstance(w, QuantWeight):
+            yield [w.qweight, w.scales.to(dtype), w.biases.to(dtype)]
+        else:
+            yield [w.unsqueeze(-1) if name.endswith("conv1d") else w]  # MLX conv: (C, K, 1)
 
 
 def _nbytes(st: str, shape: tuple[int, ...]) -> int:
@@ -264,18 +289,25 @@ def write_random_checkpoint(
     *,
     shard_bytes: int = 5 << 30,
     progress: bool = True,
+    init: Literal["plain", "conditioned"] = "plain",
 ) -> Path:
     """Write a random model directory for ``text_config`` and return its path.
 
     ``layout``: "mlx4" / "mlx8" (what ``mlx_lm.convert -q`` writes, routers at 8 bits) or
     "hf" (official: ``model.language_model.`` keys, fused experts, norm offsets). ``dtype``
     is the dense and scale dtype. Files over ``shard_bytes`` are split with an index.
-    Fields missing from ``text_config`` take the full model's values.
+    Fields missing from ``text_config`` take the full model's values. ``init``: "plain"
+    (every weight about normal(0, 0.02): rounding-chaotic at full size) or "conditioned"
+    (lily/bench/conditioned.py; MLX layouts only), the benchmark model.
     Old safetensors files are unlinked, not overwritten, so a process that has them
     memory-mapped keeps valid data.
     """
     if layout not in ("mlx4", "mlx8", "hf"):
         raise ValueError(f"layout must be 'mlx4', 'mlx8' or 'hf', got {layout!r}")
+    if init not in ("plain", "conditioned"):
+        raise ValueError(f"init must be 'plain' or 'conditioned', got {init!r}")
+    if init == "conditioned" and layout == "hf":
+        raise ValueError("the conditioned init is written in the MLX layouts (mlx4, mlx8)")
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"dtype must be bfloat16, float16 or float32, got {dtype}")
     text_config = complete_text_config(text_config)
@@ -299,6 +331,6 @@ def write_random_checkpoint(
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
     for old in [*out.glob("*.safetensors"), out / "model.safetensors.index.json"]:
         old.unlink(missing_ok=True)
-    specs, values = _tensors(cfg, layout, dtype, seed)
+    specs, values = _tensors(cfg, layout, dtype, seed, init)
     _write_shards(out, specs, values, shard_bytes, progress)
     return out

@@ -8,30 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-# The architectures lily/ops/arch.py has records for (kept here as names: the command line
-# must not import torch before it needs to).
-GPU_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_120")
-
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="checkpoint directory (default: the built-in tiny model)")
-    p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per prefill chunk")
-    p.add_argument("--max-context", type=int, default=262144)
-    p.add_argument("--quantize", action="store_true",
-                   help="pack a bf16 Hugging Face checkpoint to MLX 4-bit at load")  # fmt: skip
-    p.add_argument("--load-mtp", action="store_true", help="also load the mtp.* weights")
-    p.add_argument("--kernels", choices=["auto", "on", "off"], default="auto",
-                   help="Triton GPU paths (auto: on when a GPU is used)")  # fmt: skip
-    p.add_argument("--prefix-cache-gb", type=float, default=1.0,
-                   help="device memory for earlier turns' saved states (0: no reuse)")  # fmt: skip
-    p.add_argument("--prefix-cache-host-gb", type=float, default=0.0,
-                   help="host memory they spill to when the device budget is full")  # fmt: skip
-    p.add_argument("--gpu-arch", default="auto", choices=["auto", *GPU_ARCHS],
-                   help="kernel tables and features of this GPU architecture instead of the "
-                        "device's own (e.g. sm_89 on an H200: no PDL, no warpgroup MMA, "
-                        "small-shared-memory tiles), to measure a fallback")  # fmt: skip
+from lily.engine_args import add_engine_args, load_engine
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -46,44 +23,6 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--no-think", action="store_true", help="chat with enable_thinking=false")
-
-
-def engine_config(args: argparse.Namespace):
-    import torch
-
-    from lily.config import EngineConfig
-
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = args.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    kernels = args.kernels == "on" or (args.kernels == "auto" and device.startswith("cuda"))
-    return EngineConfig(
-        device=device,
-        dtype=dtype,
-        prefill_chunk=args.prefill_chunk,
-        max_context=args.max_context,
-        load_mtp=args.load_mtp,
-        quantize_on_load=args.quantize,
-        use_kernels=kernels,
-        prefix_cache_gb=getattr(args, "prefix_cache_gb", 1.0),
-        prefix_cache_host_gb=getattr(args, "prefix_cache_host_gb", 0.0),
-        gpu_arch=None if getattr(args, "gpu_arch", "auto") == "auto" else args.gpu_arch,
-    )
-
-
-def load_engine(args: argparse.Namespace):
-    from lily.runtime.engine import Engine
-
-    ecfg = engine_config(args)
-    if not args.model:
-        msg = ("lily: no --model given: using the built-in tiny random model "
-               "(its output is noise; point --model at a real checkpoint)")  # fmt: skip
-        print(msg, file=sys.stderr)
-        return Engine.tiny(ecfg)
-    return Engine.load(args.model, ecfg)
 
 
 def sampling_params(args: argparse.Namespace, defaults: dict):
@@ -158,8 +97,9 @@ def cmd_init(args: argparse.Namespace) -> int:
     else:
         raw = json.loads(Path(args.config).read_text())
         text_cfg = raw.get("text_config", raw)
-    write_random_checkpoint(Path(args.out), text_cfg, args.layout, seed=args.seed)
-    print(f"wrote a random {args.config} checkpoint ({args.layout}) to {args.out}")
+    init = args.init or ("plain" if args.layout == "hf" else "conditioned")
+    write_random_checkpoint(Path(args.out), text_cfg, args.layout, seed=args.seed, init=init)
+    print(f"wrote a random {args.config} checkpoint ({args.layout}, {init} init) to {args.out}")
     return 0
 
 
@@ -168,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="generate from a prompt, streamed")
-    _engine_args(g)
+    add_engine_args(g)
     _sampling_args(g)
     g.add_argument("prompt", nargs="?", help="user message (default: read stdin)")
     g.add_argument("--messages", help="JSON file with a list of chat messages")
@@ -176,12 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(fn=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive multi-turn chat in the terminal")
-    _engine_args(c)
+    add_engine_args(c)
     _sampling_args(c)
     c.set_defaults(fn=cmd_chat)
 
     s = sub.add_parser("score", help="teacher-forced log-probs and perplexity as JSON")
-    _engine_args(s)
+    add_engine_args(s)
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", help="text to score")
     src.add_argument("--text-file", help="file whose text to score")
@@ -195,22 +135,33 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--config", default="tiny", help="tiny, full, or a config.json path")
     i.add_argument("--layout", default="mlx4", choices=["mlx4", "mlx8", "hf"])
     i.add_argument("--seed", type=int, default=0)
+    i.add_argument(
+        "--init",
+        choices=["conditioned", "plain"],
+        default=None,
+        help="conditioned: the well-conditioned benchmark model (default for the "
+        "MLX layouts); plain: every weight ~normal(0, 0.02) (hf's default)",
+    )
     i.set_defaults(fn=cmd_init)
 
     from lily.bench.cli import add_bench_args, add_compare_args, run_bench, run_compare
 
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    _engine_args(v)
+    add_engine_args(v)
     try:
         from lily.server.app import add_serve_args, run_server
     except ImportError as e:  # the server's web stack is not installed here
         missing = str(e)
 
-        def run_server(args: argparse.Namespace) -> int:
+        def cmd_serve(args: argparse.Namespace) -> int:
             raise OSError(f"lily serve is unavailable: {missing} (run scripts/install.sh)")
     else:
         add_serve_args(v)
-    v.set_defaults(fn=run_server)
+
+        def cmd_serve(args: argparse.Namespace) -> int:
+            return run_server(args, load_engine=lambda: load_engine(args))
+
+    v.set_defaults(fn=cmd_serve)
 
     b = sub.add_parser("bench", help="prefill and decode sweep, side by side with peers")
     add_bench_args(b)

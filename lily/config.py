@@ -252,8 +252,8 @@ class EngineConfig:
 
     device: str = "cpu"
     dtype: str = "float32"  # compute dtype for activations: float32 or bfloat16
-    prefill_chunk: int = 2048
-    max_context: int = 262144
+    prefill_chunk: int = 8192
+    max_context: int | None = 262144  # None: the largest the free memory allows
     load_mtp: bool = False
     quantize_on_load: bool = False  # bf16 HF checkpoints: pack to MLX 4-bit at load
     use_kernels: bool = False  # Triton paths (GPU); the reference path otherwise

@@ -26,14 +26,14 @@ _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
 
 @dataclass(frozen=True)
-class _Entry:
+class Entry:
     file: Path
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
 
 
-def read_header(path: Path) -> dict[str, _Entry]:
+def read_header(path: Path) -> dict[str, Entry]:
     """Parse and check one safetensors header without reading tensor data."""
     size = path.stat().st_size
     if size < 8:
@@ -74,11 +74,11 @@ def read_header(path: Path) -> dict[str, _Entry]:
             raise CheckpointError(
                 f"{path}: tensor {key!r} has {end - begin} bytes for {dtype} shape {list(shape)}"
             )
-        out[key] = _Entry(path, dtype, shape, end - begin)
+        out[key] = Entry(path, dtype, shape, end - begin)
     return out
 
 
-def index_checkpoint(model_dir: str | Path) -> dict[str, _Entry]:
+def index_checkpoint(model_dir: str | Path) -> dict[str, Entry]:
     """Every tensor of a (possibly sharded) checkpoint: key -> file, dtype, shape."""
     d = Path(model_dir)
     if not d.is_dir():
@@ -98,7 +98,7 @@ def index_checkpoint(model_dir: str | Path) -> dict[str, _Entry]:
         wmap, paths = None, sorted(d.glob("*.safetensors"))
         if not paths:
             raise CheckpointError(f"{d}: no *.safetensors files in the model directory")
-    entries: dict[str, _Entry] = {}
+    entries: dict[str, Entry] = {}
     for p in paths:
         for k, e in read_header(p).items():
             if k in entries:

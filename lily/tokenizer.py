@@ -1,8 +1,10 @@
 """Tokenizer, chat template and incremental detokenizer.
 
 `Tokenizer.from_dir` reads a checkpoint's `tokenizer.json` (byte-level BPE, through the
-`tokenizers` library) and its Jinja chat template, which is rendered in a sandbox: the
-template ships with downloaded weights and must not reach Python internals.
+`tokenizers` library) and its Jinja chat template, which is rendered in a bounded sandbox
+(lily/chat_template.py): the template ships with downloaded weights and must not reach
+Python internals or exhaust memory. Prompts are tokenized with a limit and with request
+text kept as text (lily/encoding.py).
 The small test tokenizer and our chat template text live in lily/tokenizer_files.py.
 """
 
@@ -11,23 +13,30 @@ from __future__ import annotations
 import codecs
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import jinja2
 from jinja2.exceptions import SecurityError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders
+
+from lily.chat_template import (
+    ChatTemplateError,
+    TemplateLimitError,
+    TemplateLimits,
+    compile_template,
+    input_chars,
+    prepare_messages,
+    render,
+)
+from lily.encoding import BoundedEncoder, PromptTooLong, SpecialEscaper
+
+__all__ = ["ChatTemplateError", "PromptTooLong", "Tokenizer", "TokenizerError"]
 
 
 class TokenizerError(ValueError):
     """A tokenizer directory is missing a file or holds a corrupt one."""
-
-
-class ChatTemplateError(ValueError):
-    """The chat template is missing, invalid, unsafe, or rejected the messages."""
 
 
 def _byte_level_chars() -> dict[str, int]:
@@ -46,40 +55,6 @@ def _byte_level_chars() -> dict[str, int]:
     return chars
 
 
-def _raise_exception(message: str) -> None:
-    raise ChatTemplateError(f"chat template rejected the request: {message}")
-
-
-def _tojson(
-    value: Any, indent: int | None = None, separators: Any = None, sort_keys: bool = False
-) -> str:
-    # Keep non-ASCII as is: tool schemas in other languages must reach the model readable.
-    return json.dumps(
-        value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-class _Sandbox(ImmutableSandboxedEnvironment):
-    """The immutable sandbox, but an unsafe attribute raises at once instead of rendering
-    as an empty string, so a template that probes internals fails visibly."""
-
-    def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
-        raise SecurityError(
-            f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe"
-        )
-
-
-def _compile_template(source: str) -> jinja2.Template:
-    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as e:
-        raise ChatTemplateError(f"chat template syntax error at line {e.lineno}: {e}") from e
-
-
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
@@ -90,56 +65,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
-
-
-def _tool_arguments(args: Any, where: str) -> dict[str, Any]:
-    """OpenAI clients send arguments as a JSON string; the template needs an object."""
-    if args is None or args == "":
-        return {}
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError as e:
-            raise ChatTemplateError(f"{where}.arguments is not valid JSON: {e}") from e
-    if not isinstance(args, Mapping):
-        raise ChatTemplateError(f"{where}.arguments must be a JSON object")
-    return dict(args)
-
-
-def _prepare_messages(messages: Any) -> list[dict[str, Any]]:
-    """Validate OpenAI-style messages and put them in the shape the template reads."""
-    if not isinstance(messages, Sequence) or isinstance(messages, str):
-        raise ChatTemplateError("messages must be a list of objects")
-    out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
-            raise ChatTemplateError(f"messages[{i}] must be an object with a string 'role'")
-        m = dict(message)
-        if m["role"] == "assistant":
-            if not isinstance(m.get("reasoning_content"), str) and isinstance(
-                m.get("reasoning"), str
-            ):
-                m["reasoning_content"] = m["reasoning"]
-            calls = m.get("tool_calls") or []
-            if not isinstance(calls, Sequence) or isinstance(calls, str):
-                raise ChatTemplateError(f"messages[{i}].tool_calls must be a list")
-            prepared = []
-            for j, call in enumerate(calls):
-                where = f"messages[{i}].tool_calls[{j}]"
-                fn = call.get("function", call) if isinstance(call, Mapping) else None
-                if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
-                    raise ChatTemplateError(f"{where} must have a function with a string name")
-                args = _tool_arguments(fn.get("arguments"), f"{where}.function")
-                prepared.append(
-                    {
-                        "id": call.get("id"),
-                        "type": "function",
-                        "function": {"name": fn["name"], "arguments": args},
-                    }
-                )
-            m["tool_calls"] = prepared
-        out.append(m)
-    return out
 
 
 class Tokenizer:
@@ -153,15 +78,19 @@ class Tokenizer:
         config: Mapping[str, Any] | None = None,
         generation_config: Mapping[str, Any] | None = None,
         source: str = "<memory>",
+        template_origin: str = "the chat template",
+        limits: TemplateLimits | None = None,
     ) -> None:
         self._tok = tokenizer
         self._source = source
+        self.template_origin = template_origin
+        self.limits = limits or TemplateLimits()
         self._config = dict(config or {})
         self.generation_config: dict[str, Any] = dict(generation_config or {})
         self.chat_template = chat_template
         self._named = dict(named_templates or {})
         self._compiled = {
-            name: _compile_template(text)
+            name: compile_template(text)
             for name, text in [("", chat_template), *self._named.items()]
             if text is not None
         }
@@ -180,6 +109,16 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = self._find_eos_ids()
         self._byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
         self._bytes: list[bytes] | None = None
+        self._special_id = {t.content: i for i, t in added.items() if t.special}
+        # NOTE: splitting text at special tokens ourselves equals the library's matching
+        # only for tokens that do not absorb neighbouring spaces (Qwen's do not).
+        self._plain_specials = not any(
+            t.lstrip or t.rstrip or t.single_word or t.normalized
+            for t in added.values()
+            if t.special
+        )
+        self._escaper = SpecialEscaper(list(self._special_id))
+        self._encoder = BoundedEncoder(tokenizer)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -219,14 +158,39 @@ class Tokenizer:
                 template = named.pop("default", None)
             elif raw is not None:
                 raise TokenizerError(f"{root}: chat_template must be a string or a list")
-        return cls(
+        if jinja_file.is_file():
+            origin = str(jinja_file)
+        else:
+            origin = f"the chat_template of {root / 'tokenizer_config.json'}"
+        tokenizer = cls(
             tok,
             chat_template=template,
             named_templates=named,
             config=config,
             generation_config=_read_json(root / "generation_config.json"),
             source=str(root),
+            template_origin=origin,
         )
+        tokenizer.check_template()
+        return tokenizer
+
+    def check_template(self) -> None:
+        """Render a two-message conversation once: a template that goes past its budget or
+        reaches for internals on every input is refused at load (TokenizerError naming the
+        file), not on each request. Other failures are left to requests."""
+        sample = [{"role": "system", "content": "You are a helpful assistant."},
+                  {"role": "user", "content": "Hello."}]  # fmt: skip
+        if "" not in self._compiled:
+            return
+        limits = self.limits
+        self.limits = replace(limits, seconds=min(2.0, limits.seconds))
+        try:
+            self.apply_chat_template(sample)
+        except ChatTemplateError as e:
+            if isinstance(e.__cause__, SecurityError):
+                raise TokenizerError(str(e)) from e
+        finally:
+            self.limits = limits
 
     def _find_eos_ids(self) -> tuple[int, ...]:
         ids = [self.im_end_id, self.endoftext_id]
@@ -239,11 +203,15 @@ class Tokenizer:
             ids.append(self.token_id(eos_text))
         return tuple(dict.fromkeys(i for i in ids if isinstance(i, int)))
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special-token text in it (e.g. `<|im_start|>`) is matched."""
+    def encode(self, text: str, max_tokens: int | None = None) -> list[int]:
+        """Token ids of `text`; special-token text in it (e.g. `<|im_start|>`) is matched.
+        PromptTooLong past ``max_tokens``, found without tokenizing all of a long text."""
         if not isinstance(text, str):
             raise TypeError(f"encode needs a str, got {type(text).__name__}")
-        return self._tok.encode(text, add_special_tokens=False).ids
+        if not self._plain_specials:  # specials that absorb spaces: only the library knows
+            return self._tok.encode(text, add_special_tokens=False).ids
+        runs = self._escaper.runs(text, self._special_id, escaped=False)
+        return self._encoder.encode(runs, max_tokens)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`; ids with no token (padding rows of the embedding) give nothing."""
@@ -282,31 +250,70 @@ class Tokenizer:
 
         Assistant `reasoning` is accepted as `reasoning_content`; tool-call arguments may be
         a JSON string or an object. Raises ChatTemplateError on bad messages, on a missing
-        template, and on a template that fails or reaches for Python internals.
+        template, and on a template that fails, reaches for Python internals or goes past
+        its budget (TemplateLimits). Tokenize with `render_chat`, not `encode`: special-token
+        text in the messages is text, not control tokens.
         """
+        rendered = self._render(messages, tools, add_generation_prompt, enable_thinking,
+                                template_kwargs)  # fmt: skip
+        return self._escaper.unescape(rendered)
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        enable_thinking: bool = True,
+        max_tokens: int | None = None,
+        **template_kwargs: Any,
+    ) -> tuple[str, list[int]]:
+        """The prompt text and its token ids, as `apply_chat_template` renders it.
+
+        Only the special tokens the template writes are control tokens; the same text in
+        a message (or a tool, or a template argument) is tokenized as plain text.
+        PromptTooLong when the prompt has more than ``max_tokens`` tokens, found without
+        tokenizing all of a long one."""
+        rendered = self._render(messages, tools, add_generation_prompt, enable_thinking,
+                                template_kwargs)  # fmt: skip
+        runs = self._escaper.runs(rendered, self._special_id, escaped=True)
+        return self._escaper.unescape(rendered), self._encoder.encode(runs, max_tokens)
+
+    def _render(self, messages: Any, tools: Any, add_generation_prompt: bool,
+                enable_thinking: bool, template_kwargs: dict[str, Any]) -> str:  # fmt: skip
         name = "tool_use" if tools and "tool_use" in self._compiled else ""
         if name not in self._compiled:
             raise ChatTemplateError(f"{self._source}: the tokenizer has no chat template")
         if tools is not None and (not isinstance(tools, Sequence) or isinstance(tools, str)):
             raise ChatTemplateError("tools must be a list of objects")
+        esc = self._escaper.escape
+        request = {
+            **esc(template_kwargs),
+            "messages": esc(prepare_messages(messages)),
+            "tools": esc(list(tools)) if tools else None,
+        }
         context = {
             "eos_token": self._config.get("eos_token"),
             "pad_token": self._config.get("pad_token"),
             "bos_token": self._config.get("bos_token"),
-            **template_kwargs,
-            "messages": _prepare_messages(messages),
-            "tools": list(tools) if tools else None,
+            **request,
             "add_generation_prompt": add_generation_prompt,
             "enable_thinking": enable_thinking,
         }
+        origin = self.template_origin
         try:
-            return self._compiled[name].render(**context)
+            return render(self._compiled[name], context, self.limits, input_chars(request))
         except ChatTemplateError:
             raise
+        except TemplateLimitError as e:
+            raise ChatTemplateError(f"the chat template ({origin}) {e}") from e
         except SecurityError as e:
-            raise ChatTemplateError(f"chat template tried an unsafe operation: {e}") from e
+            raise ChatTemplateError(
+                f"the chat template ({origin}) tried an unsafe operation: {e}"
+            ) from e
         except Exception as e:  # any template fault is the template's or the input's
-            raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
+            raise ChatTemplateError(
+                f"the chat template ({origin}) failed: {type(e).__name__}: {e}"
+            ) from e
 
 
 class IncrementalDetokenizer:

@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from lily.config import ModelConfig
 from lily.quant import QuantWeight, Weight, quantize
-from lily.safetensors_files import CheckpointError, _Entry, index_checkpoint
+from lily.safetensors_files import CheckpointError, Entry, index_checkpoint
 
 _FLOATS = ("F32", "F16", "BF16")
 PROGRESS_MIN_BYTES = 1 << 30
@@ -204,7 +204,7 @@ def _hf_expert_plans(cfg: ModelConfig, name: str, shape: tuple, path: str, fused
     ]
 
 
-def _check(plans: list[_Plan], entries: dict[str, _Entry], model_dir: Path) -> None:
+def _check(plans: list[_Plan], entries: dict[str, Entry], model_dir: Path) -> None:
     for plan in plans:
         for key, shape, kind in plan.parts:
             e = entries.get(key)

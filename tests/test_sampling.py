@@ -261,3 +261,58 @@ def test_cuda_one_sync_per_sample() -> None:
         torch.cuda.set_sync_debug_mode("default")
     assert len(caught) == 10
     assert ta == [b.sample(logits) for _ in range(10)]
+
+
+# Ops that make the host wait for the device: a value read back (`.item()`, indexing by a
+# 0-dim device tensor), or an output whose size depends on the data.
+_HOST_READS = {
+    "aten._local_scalar_dense", "aten.is_nonzero", "aten.equal", "aten.nonzero",
+    "aten.masked_select", "aten.multinomial", "aten.unique", "aten._unique2",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0),
+        SamplingParams(
+            temperature=0.7,
+            top_k=20,
+            top_p=0.95,
+            min_p=0.05,
+            seed=9,
+            repetition_penalty=1.1,
+            presence_penalty=0.5,
+        ),
+    ],
+    ids=["greedy", "all-warpers"],
+)
+def test_sample_reads_the_device_once(params) -> None:
+    """The CPU stand-in for test_cuda_one_sync_per_sample (which saw three syncs a draw on
+    the H200): every aten op of a draw is logged; exactly one reads a value back to the
+    host, and no Python scalar is copied into a tensor element (on CUDA a blocking
+    host-to-device copy)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Log(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.reads: list[str] = []
+            self.scalar_writes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func).rsplit(".", 1)[0]
+            if name in _HOST_READS:
+                self.reads.append(name)
+            if name == "aten.copy_" and args[1].dim() == 0:
+                self.scalar_writes += 1
+            return func(*args, **(kwargs or {}))
+
+    sampler = Sampler(params, 1000, "cpu")
+    sampler.observe_prompt(list(range(100)))
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    with Log() as log:
+        for _ in range(3):
+            sampler.sample(logits)
+    assert log.reads == ["aten._local_scalar_dense"] * 3
+    assert log.scalar_writes == 0

@@ -12,23 +12,22 @@ import math
 import sys
 from pathlib import Path
 
+from lily.engine_args import add_engine_args, engine_config
+
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    from lily.cli import _engine_args
-
     if "--device" not in p._option_string_actions:
-        _engine_args(p)
+        add_engine_args(p)
 
 
 def _source_kw(args: argparse.Namespace) -> dict:
-    from lily.cli import engine_config
-
     ecfg = engine_config(args)
     return {
         "device": ecfg.device,
         "dtype": ecfg.dtype,
         "prefill_chunk": ecfg.prefill_chunk,
         "use_kernels": ecfg.use_kernels,
+        "max_context": ecfg.max_context,  # None: the largest the free memory allows
         "gpu_arch": ecfg.gpu_arch,
     }
 
@@ -68,6 +67,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-tokens", type=int, default=2048,
                    help="prompt tokens of the expert-load histogram")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="weights and prompt ids")
+    p.add_argument("--run", metavar="NAME",
+                   help="instead of the sweep, run one GPU script of lily.bench.gpu with the "
+                        "arguments after --: e.g. kernels (the kernel benchmarks, merged), "
+                        "kernels.linear, diagnostics.kernel_profile; 'list' names them "
+                        "all")  # fmt: skip
+    p.add_argument("script_args", nargs="*", metavar="-- ARGS", help="arguments for --run")
 
 
 def bench_plan(args: argparse.Namespace):
@@ -118,14 +123,23 @@ def _context_of(source: dict) -> int:
     from lily.config import ModelConfig
 
     if source["kind"] == "dir":
-        return ModelConfig.from_dir(source["path"]).max_position_embeddings
-    from lily.bench.random_model import model_config
+        ctx = ModelConfig.from_dir(source["path"]).max_position_embeddings
+    else:
+        from lily.bench.random_model import model_config
 
-    return model_config(source["name"]).max_position_embeddings
+        ctx = model_config(source["name"]).max_position_embeddings
+    return min(ctx, source.get("max_context") or ctx)
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    """``lily bench``: run the sweep and write JSON, Markdown and PNG."""
+    """``lily bench``: run the sweep and write JSON, Markdown and PNG (or, with ``--run``,
+    one GPU script)."""
+    if args.run:
+        from lily.bench import gpu
+
+        return gpu.run(args.run, args.script_args)
+    if args.script_args:
+        raise ValueError(f"unexpected arguments {args.script_args} (they belong after --run)")
     from lily.bench import driver, report
 
     plan = bench_plan(args)
@@ -153,82 +167,118 @@ def _stem(result: dict) -> str:
 def add_compare_args(p: argparse.ArgumentParser) -> None:
     """Options of ``lily compare``."""
     _add_engine_args(p)
-    p.add_argument("--reference", required=True, choices=["mlx-lm", "transformers", "lily"],
-                   help="the engine to compare against on the same checkpoint; 'lily' is our "
-                        "own plain-PyTorch path (checks --kernels on)")  # fmt: skip
+    p.add_argument(
+        "--reference",
+        choices=["mlx-lm", "transformers", "lily"],
+        help="the engine to compare against on the same bytes; 'lily' is our own "
+        "plain-PyTorch path in --reference-dtype (checks --kernels on)",
+    )
+    p.add_argument("--reference-dtype", choices=["float32", "bfloat16"], default=None,
+                   help="dtype of the reference (default: float32 for lily, --dtype for "
+                        "mlx-lm)")  # fmt: skip
+    p.add_argument("--random", choices=["full", "tiny"],
+                   help="random weights of that shape built on the device, instead of --model "
+                        "(the well-conditioned model; see --init)")  # fmt: skip
+    p.add_argument("--init", choices=["conditioned", "plain"], default="conditioned",
+                   help="--random: the well-conditioned statistics (default) or the plain "
+                        "uniform init (rounding-chaotic at full size)")  # fmt: skip
+    p.add_argument(
+        "--context",
+        default="0",
+        help="tokens before the scored positions, e.g. 4K,32K (one run each)",
+    )
     p.add_argument("--positions", type=int, default=192, help="teacher-forced positions")
+    p.add_argument(
+        "--layerwise",
+        action="store_true",
+        help="layer-local check: every layer of the bf16 reference (and the "
+        "kernels) fed the fp32 reference's input and state, per layer and "
+        "kind, for a prefill chunk and decode steps after each context",
+    )
+    p.add_argument("--chunk", type=int, default=256, help="--layerwise: prefill chunk tokens")
+    p.add_argument("--decode-steps", type=int, default=8, help="--layerwise: decode steps")
+    p.add_argument("--token-loop", action="store_true",
+                   help="prefill contexts with the token-by-token DeltaNet (slow; default: "
+                        "the same recurrence by chunks)")  # fmt: skip
+    p.add_argument("--disk-dir", help="--random with mlx-lm: where to write the checkpoint")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--text", help="text to score (default: deterministic pseudo-text ids)")
     src.add_argument("--text-file", help="file whose text to score")
-    p.add_argument("--seed", type=int, default=0, help="seed of the pseudo-text ids")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and pseudo-text ids")
     p.add_argument("--out", help="write the JSON here (default: JSON on stdout, table on "
                    "stderr)")  # fmt: skip
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    """``lily compare``: top-1 agreement, perplexity ratio and logit error vs a reference."""
-    from lily.bench import compare, measure, peers
-    from lily.bench.source import dir_source
-    from lily.bench.sweep import LilyAdapter
-    from lily.runtime.engine import tiny_model_dir
+    """``lily compare``: top-1 agreement, perplexity ratio and logit error vs a reference
+    (after each --context), or the layer-local check (--layerwise)."""
+    from lily.bench import compare, consistency, measure
 
     if args.positions < 1:
         raise ValueError(f"--positions must be at least 1, got {args.positions}")
-    kw = _source_kw(args)
-    model = args.model
-    if not model:
-        model = str(tiny_model_dir())
-        print(f"lily compare: no --model given: using the built-in tiny model {model}",
-              file=sys.stderr)  # fmt: skip
-    source = dir_source(model, **kw)
-    from lily.bench.source import lily_engine
-
-    engine = lily_engine(source)
-    ids = _compare_ids(args, engine)
-    positions = min(args.positions, len(ids) - 1)
-    if positions + 1 > engine.max_context:
-        raise ValueError(f"{positions} positions exceed the context of {engine.max_context}")
-    ref_source = {**source, "use_kernels": False} if args.reference == "lily" else source
+    contexts = consistency.parse_contexts(args.context)
+    if args.layerwise:
+        return _emit(args, consistency.run_layerwise(args, contexts), consistency.layer_table)
+    if args.reference is None:
+        raise ValueError("give --reference (or --layerwise)")
+    ours = consistency.load_ours(args)
     try:
-        peers.check_available(args.reference)
-        ref = peers.load_adapter(args.reference, ref_source)
+        ref = consistency.load_reference(args, ours)
     except Exception as e:  # a missing or broken reference: one line, not a traceback
-        print(f"lily compare: error: reference {args.reference}: {peers._one_line(e)}",
+        from lily.bench import peers
+
+        print(f"lily compare: error: reference {args.reference}: {peers.one_line(e)}",
               file=sys.stderr)  # fmt: skip
         return 2
-    res = compare.run_compare(LilyAdapter(engine), ref, ids[: positions + 1], positions)
+    ids = _compare_ids(args, ours.engine, max(contexts))
+    runs = []
+    for n in contexts:
+        positions = min(args.positions, len(ids) - 1 - n)
+        if positions < 1:
+            raise ValueError(f"the text is too short for a context of {n}")
+        part = ids[: n + positions + 1]
+        if len(part) > ours.engine.max_context:
+            raise ValueError(f"{len(part)} tokens exceed the context of {ours.engine.max_context}")
+        a = ours.score(part, n)[:positions]
+        b = ref.score(part, n)[:positions]
+        runs.append({"context": n, **compare.metrics(a, b, part[n:])})
     out = {
         "schema": compare.SCHEMA,
-        "model": model,
+        "model": ours.name,
         "reference": args.reference,
         "ids": "text" if (args.text or args.text_file) else f"pseudo-text seed {args.seed}",
         "requested_positions": args.positions,
-        **res,
-        "ours": LilyAdapter(engine).info(),
+        **runs[0],
+        "contexts": runs,
+        "ours": ours.info(),
         "reference_info": ref.info(),
         "original_engine": compare.ORIGINAL,
-        "env": measure.env_info(kw["device"]),
+        "env": measure.env_info(ours.device),
     }
+    return _emit(args, out, compare.tables)
+
+
+def _emit(args: argparse.Namespace, out: dict, table) -> int:
     text = json.dumps(out, indent=1)
     if args.out:
         Path(args.out).write_text(text)
-        print(compare.table(out))
+        print(table(out))
     else:
-        print(compare.table(out), file=sys.stderr)
+        print(table(out), file=sys.stderr)
         print(text)
     return 0
 
 
-def _compare_ids(args: argparse.Namespace, engine) -> list[int]:
+def _compare_ids(args: argparse.Namespace, engine, context: int = 0) -> list[int]:
     from lily.bench.measure import pseudo_text_ids
 
     if args.text is None and args.text_file is None:
-        return pseudo_text_ids(args.positions + 1, engine.cfg.vocab_size, seed=args.seed)
+        return pseudo_text_ids(context + args.positions + 1, engine.cfg.vocab_size, seed=args.seed)
     text = args.text if args.text is not None else Path(args.text_file).read_text()
     ids = engine.tokenizer.encode(text)
-    if len(ids) < 2:
-        raise ValueError(f"the text gives {len(ids)} token(s); at least 2 are needed")
-    if len(ids) < args.positions + 1:
-        print(f"lily compare: the text gives {len(ids)} tokens: comparing {len(ids) - 1} "
-              "positions", file=sys.stderr)  # fmt: skip
+    if len(ids) < context + 2:
+        raise ValueError(f"the text gives {len(ids)} token(s); at least {context + 2} are needed")
+    if len(ids) < context + args.positions + 1:
+        print(f"lily compare: the text gives {len(ids)} tokens: comparing "
+              f"{len(ids) - 1 - context} positions", file=sys.stderr)  # fmt: skip
     return ids

@@ -71,3 +71,12 @@ def table(res: dict) -> str:
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
     return "\n".join(f"{r[0]:<{w0}}  {r[1]:<{w1}}  {r[2]}" for r in rows)
+
+
+def tables(out: dict) -> str:
+    """``table`` for each context of a ``lily compare`` run."""
+    parts = []
+    for run in out.get("contexts", [out]):
+        head = f"context {run.get('context', 0)} tokens, then {run['positions']} positions"
+        parts.append(head + "\n" + table({**run, "reference": out["reference"]}))
+    return "\n\n".join(parts)

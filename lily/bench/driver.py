@@ -14,14 +14,14 @@ import torch
 
 from lily.bench import measure, peers, report
 from lily.bench.random_model import (
-    engine_from_params,
     fingerprint,
     params_nbytes,
     save_mlx_checkpoint,
     skewed_params,
 )
-from lily.bench.source import canonical_params, describe
+from lily.bench.source import canonical_params, describe, engine_from_params
 from lily.bench.sweep import LilyAdapter, LocalEngine, Slot, sweep
+from lily.config import EngineConfig
 
 BENCH_LENGTHS = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
 
@@ -45,8 +45,9 @@ class BenchPlan:
     seed: int = 0
 
 
-def parse_lengths(text: str | None) -> list[int] | None:
-    """``"256,1K,2k"`` -> [256, 1024, 2048]; None when not given."""
+def parse_lengths(text: str | None, flag: str = "--lengths", least: int = 1) -> list[int] | None:
+    """``"256,1K,2k"`` -> [256, 1024, 2048]; None when not given. Errors name ``flag``;
+    counts below ``least`` are refused."""
     if not text:
         return None
     out = []
@@ -55,9 +56,10 @@ def parse_lengths(text: str | None) -> list[int] | None:
         try:
             n = int(s[:-1]) * 1024 if s.endswith("K") else int(s)
         except ValueError:
-            raise ValueError(f"--lengths: {part.strip()!r} is not a token count") from None
-        if n < 1:
-            raise ValueError(f"--lengths: {n} must be positive")
+            raise ValueError(f"{flag}: {part.strip()!r} is not a token count") from None
+        if n < least:
+            bound = "positive" if least == 1 else f">= {least}"
+            raise ValueError(f"{flag}: {n} must be {bound}")
         out.append(n)
     return sorted(set(out))
 
@@ -84,7 +86,10 @@ def _build_ours(plan: BenchPlan, result: dict):
         engine = lily_engine(src)
         sync()
         result["model"]["load_s"] = time.perf_counter() - t0
-        cfg, params, text_cfg = engine.cfg, engine.model.params, None
+        cfg, text_cfg = engine.cfg, None
+    # The engine's own weights from here on (the input projections are views of its fused
+    # ones): the separate copies the random build made can go.
+    params = engine.model.params()
     result["model"]["weight_bytes"] = params_nbytes(params)
     _log(f"lily: {describe(src)}: {params_nbytes(params) / 1e9:.2f} GB of weights on "
          f"{src['device']} in {time.perf_counter() - t0:.1f} s")  # fmt: skip
@@ -104,7 +109,7 @@ def _disk_round_trip(plan: BenchPlan, cfg, params, text_cfg, result: dict) -> st
     loaded = lily_engine(dir_source(d, **same_settings))
     measure.sync(plan.source["device"])
     result["model"]["disk_load_s"] = time.perf_counter() - t0
-    same = fingerprint(loaded.model.params) == fingerprint(params)
+    same = fingerprint(loaded.model.params()) == fingerprint(params)
     result["model"]["disk_identical_bytes"] = same
     _log(
         f"disk: wrote {d} in {result['model']['disk_write_s']:.1f} s, Engine.load "
@@ -147,6 +152,11 @@ def run(plan: BenchPlan) -> dict:
     _log(f"measuring ceilings on {device} ...")
     result["ceilings"] = measure.measure_ceilings(device)
     engine, cfg, params, text_cfg = _build_ours(plan, result)
+    from lily.runtime.arch_report import architecture_report, format_report
+
+    result["arch"] = architecture_report(engine)
+    for line in format_report(result["arch"]):
+        _log(f"lily: {line}")
     limit = engine.max_context - plan.decode_tokens - 1
     if max(plan.lengths) > limit:
         raise ValueError(
@@ -228,7 +238,7 @@ def _warm_and_sweep(
 
     # One warm-up prefill per distinct first-chunk size, so kernel compilation and
     # autotuning for each shape happen before timing (decode warms on the first).
-    chunk = plan.source.get("prefill_chunk", 2048)
+    chunk = plan.source.get("prefill_chunk", EngineConfig.prefill_chunk)
     sizes = sorted({min(n, chunk) for n in plan.lengths})
     for s in slots:
         _log(f"warming up {s.name} ({', '.join(map(str, sizes))} tokens) ...")
@@ -238,7 +248,7 @@ def _warm_and_sweep(
                 w = s.handle.call("warmup", prompts(n)[::-1], decode, timeout=1800)
             s.rate, s.last_len = w["prefill_tok_s"], sizes[-1]
         except Exception as e:
-            s.failed = f"warm-up failed: {peers._one_line(e)}"
+            s.failed = f"warm-up failed: {peers.one_line(e)}"
             s.handle.close()
             _log(f"{s.name}: {s.failed} (skipped)")
             result["notes"].append(f"{s.name}: {s.failed}")

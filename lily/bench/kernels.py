@@ -1,29 +1,29 @@
-"""``python -m lily.bench.kernels``: run the kernel benchmark scripts, merge their tables.
+"""``lily bench --run kernels`` (or ``python -m lily.bench.kernels``): run the kernel
+benchmark scripts, merge their tables.
 
-Each script (``bench/gpu_linear_kernels.py``, ``bench/gpu_mixer_kernels.py``) is run with
-``--out FILE`` and writes JSON: a list of rows, or an object whose list-valued entries are
-sections of rows (``{"dn_decode": [...], "attn_decode": [...], "ceilings": {...}}``). A row
-names its kernel (``op``, ``kernel`` or ``name``; else the section), gives its fraction of
-the floor (``fraction_of_floor`` or any ``frac_*`` such as ``frac_copy``/``frac_matmul``,
-else ``floor_us / time_us``) and its time (``time_us``, ``us_per_layer``, ``us`` or
-``ms``); its other plain fields describe the case. A row with ``error`` is kept with its
-message. The merged table is sorted by fraction of floor, so the kernel furthest from its
-floor shows first. A missing or failing script is reported in one line and the others
-still run.
+Each script (the modules ``lily.bench.gpu.kernels.linear`` and ``...mixer``, or a ``.py``
+file given by path) is run with ``--out FILE`` and writes JSON: a list of rows, or an object
+whose list-valued entries are sections of rows (``{"dn_decode": [...], "attn_decode": [...],
+"ceilings": {...}}``). A row names its kernel (``op``, ``kernel`` or ``name``; else the
+section), gives its fraction of the floor (``fraction_of_floor`` or any ``frac_*`` such as
+``frac_copy``/``frac_matmul``, else ``floor_us / time_us``) and its time (``time_us``,
+``us_per_layer``, ``us`` or ``ms``); its other plain fields describe the case. A row with
+``error`` is kept with its message. The merged table is sorted by fraction of floor, so the
+kernel furthest from its floor shows first. A missing or failing script is reported in one
+line and the others still run.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = ("bench/gpu_linear_kernels.py", "bench/gpu_mixer_kernels.py")
+SCRIPTS = ("lily.bench.gpu.kernels.linear", "lily.bench.gpu.kernels.mixer")
 _NAME_KEYS = ("op", "kernel", "name")
 _TIME_US_KEYS = ("time_us", "us_per_layer", "us", "median_us")
 _TIME_MS_KEYS = ("time_ms", "ms", "median_ms")
@@ -97,19 +97,19 @@ def normalize(data, script: str) -> list[dict]:
 
 
 def run_script(script: str, extra: list[str], timeout: float) -> tuple[list[dict], str | None]:
-    """(records, None) or ([], one line saying why the script gave nothing)."""
-    path = ROOT / script
-    if not path.is_file():
+    """(records, None) or ([], one line saying why the script gave nothing). ``script``: a
+    module name (run with ``python -m``) or the path of a ``.py`` file."""
+    if script.endswith(".py"):
+        found, how = Path(script).is_file(), [script]
+    else:
+        found, how = _module_exists(script), ["-m", script]
+    if not found:
         return [], f"{script}: not found (skipped)"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
-        # the scripts import lily from the repository root
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}  # fmt: skip
         try:
-            cmd = [sys.executable, str(path), "--out", str(out), *extra]
-            r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                               timeout=timeout)  # fmt: skip
+            cmd = [sys.executable, *how, "--out", str(out), *extra]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             return [], f"{script}: ran over {timeout:.0f} s (stopped)"
         if r.returncode != 0:
@@ -121,6 +121,13 @@ def run_script(script: str, extra: list[str], timeout: float) -> tuple[list[dict
             return normalize(json.loads(out.read_text()), script), None
         except (json.JSONDecodeError, ValueError) as e:
             return [], f"{script}: unreadable output: {e}"[:400]
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a missing parent package
+        return False
 
 
 def merge(records: list[dict]) -> list[dict]:
@@ -151,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--out", help="write the merged JSON here")
     ap.add_argument("--scripts", default=",".join(SCRIPTS),
-                    help="comma-separated scripts, relative to the repository root")  # fmt: skip
+                    help="comma-separated modules (or .py files)")  # fmt: skip
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per script")
     ap.add_argument("extra", nargs="*", help="arguments passed on to every script (after --)")
     args = ap.parse_args(argv)

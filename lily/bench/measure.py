@@ -208,7 +208,7 @@ def prefill_flops(cost: dict, length: int) -> float:
 
 @contextlib.contextmanager
 def record_routing(num_layers: int, num_experts: int):
-    """Collect rows per expert per MoE layer from the reference forward's ``route``."""
+    """Collect rows per expert per MoE layer from the reference MoE's ``route``."""
     import lily.model.moe as moe
 
     counts = torch.zeros(num_layers, num_experts, dtype=torch.long)
@@ -232,16 +232,17 @@ def record_routing(num_layers: int, num_experts: int):
 def expert_load(engine, ids: list[int]) -> dict:
     """Rows per expert in each MoE layer during a reference prefill of ``ids``, summarised.
 
-    The reference forward is used whatever runner the engine times, so the load does not
-    depend on the kernels (routing is the same maths).
+    The model runs on its reference ops whatever the engine times (over the same
+    weights), so the load does not depend on the kernels (routing is the same maths).
     """
-    cfg = engine.cfg
-    state = engine.new_state()
-    with record_routing(cfg.num_hidden_layers, cfg.num_experts) as counts, torch.inference_mode():
-        chunk = engine.engine_cfg.prefill_chunk
-        for i in range(0, len(ids), chunk):
-            t = torch.tensor(ids[i : i + chunk], dtype=torch.long, device=engine.model.device)
-            engine.model.forward(t, state)
+    from lily.model.model import Model
+    from lily.runtime.runner import Runner
+
+    cfg, model = engine.cfg, engine.model
+    ref = Model(cfg, model.weights, model.dtype, kernels=False)
+    runner = Runner(ref, engine.engine_cfg.prefill_chunk, sample_on_device=False)
+    with record_routing(cfg.num_hidden_layers, cfg.num_experts) as counts:
+        runner.prefill(list(ids), engine.new_state())
     c = counts.double()
     mean = len(ids) * cfg.num_experts_per_tok / cfg.num_experts
     flat = c.reshape(-1).numpy()
@@ -263,7 +264,7 @@ def expert_load(engine, ids: list[int]) -> dict:
     }
 
 
-# ---- kernel benchmark helpers (bench/gpu_*_kernels.py)
+# ---- kernel benchmark helpers (lily/bench/gpu/kernels/*.py)
 
 
 def attempt(rows: list[dict], base: dict, fn) -> None:

@@ -122,11 +122,16 @@ class MlxAdapter(BenchAdapter):
         mx.eval(nxt)  # the step queued ahead: the cache must not be left mid-update
         return len(self.timed), dt
 
-    def score(self, ids: list[int]) -> torch.Tensor:
+    def score(self, ids: list[int], start: int = 0) -> torch.Tensor:
+        """Teacher-forced fp32 logits of positions ``start``.. (the context before them is
+        prefilled without building its logits)."""
         mx = self.mx
         self._new_cache()
         out = []
-        for i in range(0, len(ids), self.chunk):
+        for i in range(0, start, self.chunk):
+            self._step(ids[i : min(i + self.chunk, start)])
+            mx.eval([c.state for c in self.cache])
+        for i in range(start, len(ids), self.chunk):
             logits = self._step(ids[i : i + self.chunk])[0].astype(mx.float32)
             out.append(torch.from_numpy(np.array(logits)))
         self.cache = None

@@ -80,7 +80,7 @@ def _worker_main(conn, name: str, source: dict) -> None:
         info = adapter.info() | {"setup_s": time.perf_counter() - t0, "pid": os.getpid()}
         conn.send(("ok", info))
     except BaseException as e:  # reported to the parent as one line
-        conn.send(("error", _one_line(e)))
+        conn.send(("error", one_line(e)))
         return
     while True:
         try:
@@ -93,10 +93,10 @@ def _worker_main(conn, name: str, source: dict) -> None:
             conn.send(("ok", dispatch(adapter, msg[0], msg[1])))
         except BaseException as e:
             traceback.print_exc(file=sys.stderr)
-            conn.send(("error", _one_line(e)))
+            conn.send(("error", one_line(e)))
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
     text = f"{type(e).__name__}: {e}".strip().splitlines()
     return (text[0] if text else type(e).__name__)[:300]
 
@@ -178,7 +178,7 @@ def start_peer(name: str, source: dict, log=print) -> PeerProcess | None:
     except PeerUnavailable as e:
         log(str(e))
     except Exception as e:
-        msg = str(e) if str(e).startswith(f"peer {name}") else f"peer {name}: {_one_line(e)}"
+        msg = str(e) if str(e).startswith(f"peer {name}") else f"peer {name}: {one_line(e)}"
         log(f"{msg} (skipped)")
     return None
 

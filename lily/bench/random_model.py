@@ -2,34 +2,32 @@
 
 Speed does not depend on weight values, so benchmarks run a random model of the real shape
 (docs: shared/BENCH.md). ``random_params`` fills the canonical parameters
-(docs/CONTRACTS.md) on the device in seconds: random codes, bf16 scales and biases so every
-weight is about normal(0, 0.02), routers at 8 bits, group 64. Each tensor has its own
-generator seeded from (seed, name), so a worker process that builds the same model gets
-the same bytes. ``save_mlx_checkpoint`` writes those bytes to disk for MLX-LM and for
-timing a load; tensor names come from ``lily.weights.expected_tensors``.
+(docs/CONTRACTS.md) on the device in seconds, routers at 8 bits, group 64: by default the
+well-conditioned model of lily/bench/conditioned.py (bf16 agrees with fp32 through the
+40 layers, so full-size consistency checks mean something), or with ``recipe=None`` the
+plain init (random codes, every weight about normal(0, 0.02): rounding-chaotic at full
+size, docs/notes/fidelity.md). Each tensor has its own generator seeded from (seed,
+name), so a worker process on the same device builds the same bytes.
+``save_mlx_checkpoint`` writes those bytes to disk for MLX-LM and for timing a load;
+tensor names come from ``lily.weights.expected_tensors``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import sys
-import tempfile
-import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from lily.config import EngineConfig, ModelConfig
+from lily.bench import conditioned
+from lily.bench.conditioned import Recipe
+from lily.bench.random_tensors import packing, random_tensor
+from lily.config import ModelConfig
 from lily.quant import QuantWeight, Weight
 from lily.weights import canonical_shapes, expected_tensors
-
-GROUP = 64
-ROUTERS = ("moe.router", "moe.shared_expert_gate")  # 8-bit in MLX checkpoints
-LAYOUT_BITS = {"mlx4": 4, "mlx8": 8}
-_STD = 0.02  # weight standard deviation: keeps 40 layers of activations finite
 
 
 def text_config(name: str) -> dict[str, Any]:
@@ -49,68 +47,6 @@ def model_config(name: str, layout: str = "mlx4") -> ModelConfig:
     return ModelConfig.from_dict(make_config(text_config(name), layout, torch.bfloat16))
 
 
-def packing(cfg: ModelConfig, layout: str = "mlx4") -> dict[str, int | None]:
-    """Bits of each canonical parameter in an MLX checkpoint (None: stored dense).
-
-    mlx_lm.convert packs every linear and embedding whose input dim is a multiple of the
-    group size; routers at 8 bits. Norms, conv, A_log and dt_bias stay dense.
-    """
-    if layout not in LAYOUT_BITS:
-        raise ValueError(f"layout must be one of {sorted(LAYOUT_BITS)}, got {layout!r}")
-    out: dict[str, int | None] = {}
-    for name, shape in canonical_shapes(cfg).items():
-        leaf = name.rsplit(".", 1)[-1]
-        dense = len(shape) < 2 or leaf == "conv1d" or shape[-1] % GROUP
-        out[name] = None if dense else 8 if name.endswith(ROUTERS) else LAYOUT_BITS[layout]
-    return out
-
-
-def _generator(device: torch.device, seed: int, name: str) -> torch.Generator | None:
-    if device.type == "meta":
-        return None
-    g = torch.Generator(device=device)
-    # NOTE: seeded per tensor, so the bytes do not depend on build order or process.
-    g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 62))
-    return g
-
-
-def _random_quant(
-    shape: tuple[int, ...], bits: int, device: torch.device, g: torch.Generator | None
-) -> QuantWeight:
-    *lead, n, k = shape
-    words = torch.empty((*lead, n, k * bits // 32), dtype=torch.int32, device=device)
-    gshape = (*lead, n, k // GROUP)
-    if device.type == "meta":  # shapes only
-        meta = torch.empty(gshape, dtype=torch.bfloat16, device=device)
-        return QuantWeight(words, meta, meta.clone(), bits, GROUP)
-    words.random_(-(2**31), 2**31, generator=g)
-    levels = 1 << bits
-    # uniform codes on 0..levels-1 have standard deviation sqrt((levels^2 - 1) / 12)
-    step = _STD / math.sqrt((levels * levels - 1) / 12)
-    scales = torch.empty(gshape, device=device).uniform_(0.8 * step, 1.2 * step, generator=g)
-    noise = torch.empty(gshape, device=device).normal_(0.0, 0.1 * step, generator=g)
-    biases = -scales * (levels - 1) / 2 + noise
-    return QuantWeight(words, scales.to(torch.bfloat16), biases.to(torch.bfloat16), bits, GROUP)
-
-
-def _random_dense(name: str, shape: tuple[int, ...], dtype: torch.dtype, device, g) -> torch.Tensor:
-    leaf = name.rsplit(".", 1)[-1]
-    t = torch.empty(shape, dtype=torch.float32, device=device)
-    if t.device.type == "meta":  # shapes only
-        return t if leaf == "A_log" else t.to(dtype)
-    if leaf == "A_log":
-        return t.uniform_(1.0, 16.0, generator=g).log_()  # kept fp32, as the loader does
-    if leaf == "dt_bias":
-        t.normal_(1.0, 0.1, generator=g)
-    elif leaf == "conv1d":
-        t.uniform_(-0.5, 0.5, generator=g)
-    elif len(shape) == 1:  # RMSNorm multipliers
-        t.normal_(1.0, 0.05, generator=g)
-    else:
-        t.normal_(0.0, _STD, generator=g)
-    return t.to(dtype)
-
-
 def hot_experts(num_experts: int, seed: int) -> list[int]:
     """The experts a skewed router favours: 1 in 32 (8 of 256), chosen by ``seed``."""
     g = torch.Generator().manual_seed(seed + 7)
@@ -121,7 +57,8 @@ def skew_router(w: Weight, skew: float, hot: list[int]) -> Weight:
     """A copy of router ``w`` (E, D) whose ``hot`` rows are scaled by ``1 + skew``.
 
     A larger row norm widens that expert's logit distribution, so it lands in the top-k
-    far more often (with skew 2, about 5x its even share): uneven groups as real routing.
+    far more often (with skew 2, about 5x its even share with the plain init's router,
+    about 2.5x with the conditioned model's): uneven groups as real routing.
     """
     f = 1.0 + skew
     if isinstance(w, QuantWeight):
@@ -150,11 +87,14 @@ def random_params(
     seed: int = 0,
     router_skew: float = 0.0,
     dtype: torch.dtype = torch.bfloat16,
+    recipe: Recipe | None = conditioned.DEFAULT,
 ) -> dict[str, Weight]:
     """Canonical parameters of a random model in MLX layout, generated on ``device``.
 
     ``dtype`` is that of dense tensors (norms, conv, dt_bias; A_log stays fp32), as
     ``load_params`` gives them; scales and biases are bf16 as MLX stores them.
+    ``recipe``: the conditioned model's statistics (default), or None for the plain init
+    (uniform random weights: rounding-chaotic at full size, docs/notes/fidelity.md).
     ``router_skew`` > 0 makes ``hot_experts`` favoured (see ``skew_router``). On the
     ``meta`` device nothing is allocated: shapes and dtypes only.
     """
@@ -165,11 +105,9 @@ def random_params(
     bits = packing(cfg, layout)
     params: dict[str, Weight] = {}
     for name, shape in canonical_shapes(cfg).items():
-        g = _generator(device, seed, name)
-        if bits[name] is None:
-            params[name] = _random_dense(name, shape, dtype, device, g)
-        else:
-            params[name] = _random_quant(shape, bits[name], device, g)
+        embed = params.get("embed_tokens") if name == "lm_head" else None
+        params[name] = random_tensor(cfg, name, shape, bits[name], device, seed, dtype,
+                                     recipe, embed)  # fmt: skip
         if router_skew and name.endswith("moe.router"):
             params[name] = skew_router(params[name], router_skew, hot)
     if cfg.tie_word_embeddings:
@@ -278,22 +216,3 @@ def save_mlx_checkpoint(
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(wmap.items()))}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return out
-
-
-_TOKENIZER_DIRS: dict[int, Path] = {}
-
-
-def engine_from_params(
-    cfg: ModelConfig, params: dict[str, Weight], engine_cfg: EngineConfig, name: str = "random"
-):
-    """An ``Engine`` over in-memory parameters (with a small test tokenizer)."""
-    from lily.runtime.engine import Engine
-    from lily.tokenizer import Tokenizer
-    from lily.tokenizer_files import write_test_tokenizer
-
-    d = _TOKENIZER_DIRS.get(cfg.vocab_size)
-    if d is None:
-        d = Path(tempfile.mkdtemp(prefix="lily-bench-tok-"))
-        write_test_tokenizer(d, cfg.vocab_size)
-        _TOKENIZER_DIRS[cfg.vocab_size] = d
-    return Engine(cfg, params, Tokenizer.from_dir(d), engine_cfg, model_name=name)

@@ -113,6 +113,10 @@ def markdown(result: dict) -> str:
             " Where an engine's prefill did not fit the time budget, its decode was timed "
             "after a cache filled directly to that depth (see the notes)."
         )
+    if result.get("arch"):
+        from lily.runtime.arch_report import format_report
+
+        lines += ["```", *format_report(result["arch"]), "```", ""]
     if ceil:
         lines += [
             f"Ceilings measured at start: copy {ceil['copy_GBps']:,.0f} GB/s, "

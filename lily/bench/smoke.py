@@ -19,13 +19,13 @@ import torch
 
 from lily.bench import measure
 from lily.bench.random_model import (
-    engine_from_params,
     fingerprint,
     model_config,
     params_nbytes,
     random_params,
     skewed_params,
 )
+from lily.bench.source import engine_from_params
 from lily.config import EngineConfig
 
 

@@ -9,6 +9,7 @@ device by ``random_params`` (every process gets the same bytes from the same see
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import torch
@@ -39,8 +40,9 @@ def engine_config(source: dict) -> EngineConfig:
     return EngineConfig(
         device=source.get("device", "cpu"),
         dtype=source.get("dtype", "float32"),
-        prefill_chunk=source.get("prefill_chunk", 2048),
+        prefill_chunk=source.get("prefill_chunk", EngineConfig.prefill_chunk),
         use_kernels=bool(source.get("use_kernels", False)),
+        max_context=source.get("max_context", 262144),
         gpu_arch=source.get("gpu_arch"),
     )
 
@@ -81,10 +83,27 @@ def lily_engine(source: dict):
     ecfg = engine_config(source)
     if source["kind"] == "dir":
         return Engine.load(source["path"], ecfg, progress=False)
-    from lily.bench.random_model import engine_from_params
-
     cfg, params, _ = canonical_params(source)
     return engine_from_params(cfg, params, ecfg, name=describe(source))
+
+
+_TOKENIZER_DIRS: dict[int, Path] = {}
+
+
+def engine_from_params(
+    cfg: ModelConfig, params: dict[str, Weight], engine_cfg: EngineConfig, name: str = "random"
+):
+    """An ``Engine`` over in-memory parameters (with a small test tokenizer)."""
+    from lily.runtime.engine import Engine
+    from lily.tokenizer import Tokenizer
+    from lily.tokenizer_files import write_test_tokenizer
+
+    d = _TOKENIZER_DIRS.get(cfg.vocab_size)
+    if d is None:
+        d = Path(tempfile.mkdtemp(prefix="lily-bench-tok-"))
+        write_test_tokenizer(d, cfg.vocab_size)
+        _TOKENIZER_DIRS[cfg.vocab_size] = d
+    return Engine(cfg, params, Tokenizer.from_dir(d), engine_cfg, model_name=name)
 
 
 class LilyPeerAdapter(LilyAdapter):

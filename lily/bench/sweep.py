@@ -72,6 +72,10 @@ class BenchAdapter:
     def peak_memory(self) -> int | None:
         return None
 
+    def peak_reserved(self) -> int | None:
+        """Peak bytes the allocator held from the device (allocated plus cached)."""
+        return None
+
     def info(self) -> dict:
         return {}
 
@@ -79,22 +83,16 @@ class BenchAdapter:
 class LilyAdapter(BenchAdapter):
     """Our engine through ``engine.runner``: whichever path the engine uses is measured."""
 
-    def __init__(self, engine, name: str = "lily", score_via_runner: bool | None = None):
-        from lily.runtime.generate import ReferenceRunner
-
+    def __init__(self, engine, name: str = "lily"):
         self.engine = engine
         self.name = name
         self.device = str(engine.model.device)
         self.cuda = torch.device(self.device).type == "cuda"
         self.state = None
-        # NOTE: engine.score is the reference forward; a kernel runner gives only the last
-        # position's logits, so it is scored by teacher-forced decode steps instead.
-        if score_via_runner is None:
-            score_via_runner = not isinstance(engine.runner, ReferenceRunner)
-        self.score_via_runner = score_via_runner
 
     def prefill(self, ids: list[int]) -> int:
         self.state = self.engine.new_state()
+        self.state.reserve(len(ids) + 1)  # as the engine does: one growth for the prompt
         self.ids = list(ids)
         self.logits = self.engine.runner.prefill(self.ids, self.state)
         return int(self.logits.argmax())
@@ -130,13 +128,7 @@ class LilyAdapter(BenchAdapter):
             steps.close()
 
     def score(self, ids: list[int]) -> torch.Tensor:
-        if not self.score_via_runner:
-            return self.engine.score(list(ids)).float()
-        runner, state = self.engine.runner, self.engine.new_state()
-        out = [runner.prefill(list(ids[:1]), state).float().cpu()]
-        for t in ids[1:]:
-            out.append(runner.decode(int(t), state).float().cpu())
-        return torch.stack(out)
+        return self.engine.score(list(ids)).float()
 
     def sync(self) -> None:
         sync(self.device)
@@ -153,13 +145,15 @@ class LilyAdapter(BenchAdapter):
     def peak_memory(self) -> int | None:
         return torch.cuda.max_memory_allocated(self.device) if self.cuda else None
 
+    def peak_reserved(self) -> int | None:
+        return torch.cuda.max_memory_reserved(self.device) if self.cuda else None
+
     def info(self) -> dict:
         ecfg = self.engine.engine_cfg
         return {
             "device": self.device,
             "dtype": ecfg.dtype,
-            "runner": type(self.engine.runner).__name__,
-            "scored_by": "runner decode steps" if self.score_via_runner else "reference forward",
+            "runner": "kernels" if self.engine.model.kernels else "reference ops",
             "use_kernels": ecfg.use_kernels,
             "prefill_chunk": ecfg.prefill_chunk,
             "gpu_arch": ecfg.gpu_arch or "device's own",
@@ -183,6 +177,7 @@ def run_point(eng: BenchAdapter, ids: list[int], n_decode: int, allowance_s: flo
     out = {"length": len(ids), "prefill_s": t1 - t0, "prefill_tok_s": len(ids) / (t1 - t0)}
     out |= _decode(eng, tok, n_decode, t0 + allowance_s)
     out["peak_mem_bytes"] = eng.peak_memory()
+    out["peak_reserved_bytes"] = eng.peak_reserved()
     eng.release()
     return out
 

@@ -1,60 +1,138 @@
-"""The decoder stack: embeddings, 40 layers (DeltaNet or attention mixer + MoE), lm_head."""
+"""The decoder stack, written once: embedding, 40 layers (DeltaNet or attention mixer, then
+MoE), final norm and lm_head. Each op runs its Triton kernels or its reference maths as
+the Model was built (lily/model/ops.py); the runner (lily/runtime/runner.py) schedules."""
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
 
 import torch
 
 from lily.config import ModelConfig
-from lily.model.attention import attention_layer
-from lily.model.deltanet import deltanet_layer
-from lily.model.linear import embedding, linear
-from lily.model.moe import moe_layer
-from lily.model.norm import rms_norm
-from lily.quant import Weight
+from lily.model import ops
+from lily.model.bundles import DeltaNetWeights, LayerWeights, ModelWeights
+from lily.quant import QuantWeight, Weight
+from lily.transfer import to_device
+
+Tensor = torch.Tensor
 
 
 class Model:
-    """Reference forward over canonical parameters (docs/CONTRACTS.md).
+    """The model over its weights, on the reference ops or the kernels.
 
-    ``forward`` consumes tokens at the session's current position and advances it; the
-    caller decides chunking and what to keep.
+    ``weights``: a ModelWeights, or the canonical flat parameters (docs/CONTRACTS.md),
+    bundled here (input projections fused once). ``kernels``: run the Triton kernels (None:
+    iff the weights are on a CUDA device); ``pdl`` and ``mma`` choose programmatic dependent
+    launch and tensor-core GEMVs in decode steps; ``capturable``: a decode step can be
+    captured in a CUDA graph. The methods advance the session state's
+    caches and recurrent states, never its length or tokens (the runner's).
     """
 
-    def __init__(self, cfg: ModelConfig, params: dict[str, Weight], dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights | dict[str, Weight],
+                 dtype: torch.dtype, kernels: bool | None = None, *, pdl: bool = True,
+                 mma: bool = True):  # fmt: skip
         self.cfg = cfg
-        self.params = params
+        if not isinstance(weights, ModelWeights):
+            weights = ModelWeights.from_params(cfg, weights)
+        self.weights = weights
         self.dtype = dtype
-        self.device = params["norm"].device
+        self.device = weights.norm.device
+        self.kernels = self.device.type == "cuda" if kernels is None else kernels
+        # A decode step goes into a CUDA graph when every op runs on the kernels (the MoE
+        # kernels take packed experts only).
+        packed = all(isinstance(lw.moe.gate_proj, QuantWeight) for lw in weights.layers)
+        self.capturable = self.kernels and self.device.type == "cuda" and packed
+        self.chunk_ops: ops.Kernels | None = None
+        self.step_ops: ops.Kernels | None = None
+        if self.kernels:
+            self.chunk_ops = ops.Kernels.new(cfg, self.device, step=False, pdl=False, mma=False)
+            self.step_ops = dataclasses.replace(self.chunk_ops, step=True, pdl=pdl, mma=mma)
 
-    def hidden(self, ids: torch.Tensor, state) -> torch.Tensor:
-        """Final-norm hidden states (T, D) for ``ids`` (T,), advancing ``state``."""
-        cfg, p = self.cfg, self.params
-        start = state.length
-        if start + ids.shape[0] > state.limit:
-            raise ValueError(
-                f"context of {start + ids.shape[0]} tokens exceeds the limit of {state.limit}"
-            )
-        state.busy = True
-        x = embedding(ids, p["embed_tokens"], self.dtype)
-        for i, kind in enumerate(cfg.layer_types):
-            pre = f"layers.{i}."
-            h = rms_norm(x, p[pre + "input_norm"], cfg.rms_norm_eps)
-            if kind == "linear_attention":
-                x = x + deltanet_layer(p, pre + "dn.", h, state.deltanet[i], cfg)
+    def params(self) -> dict[str, Weight]:
+        """The canonical flat parameters (the fused projections as row views)."""
+        return self.weights.params()
+
+    # ---- the public pieces: embedding, one layer, head (each correct on its own)
+    def embed(self, ids: Tensor) -> Tensor:
+        """Token embeddings (T, D) in the compute dtype for ids (T,)."""
+        return ops.embed(ids, self.weights.embed_tokens, self.dtype, self.chunk_ops)
+
+    def layer(self, i: int, x: Tensor, state, start: int) -> Tensor:
+        """Decoder layer ``i`` on x (T, D) at positions [start, start+T): input norm, mixer,
+        residual, post norm, MoE, residual. Advances only layer i's state (its KV cache grows
+        as needed)."""
+        t = x.shape[0]
+        if i in state.kv:
+            state.kv[i].ensure(start + t)
+        pos = self._position(start, t, self.chunk_ops)
+        x, _ = self._layer(i, self.weights.layers[i], x, None, state, pos, start + t,
+                           self.chunk_ops, None, (), {})  # fmt: skip
+        return x
+
+    def head(self, x: Tensor, step: bool = False) -> Tensor:
+        """fp32 logits (T, V) for x (T, D): final norm and lm_head (``step``: as in a decode
+        step, see lily/model/ops.py)."""
+        w = self.weights
+        k = self.step_ops if step else self.chunk_ops
+        return ops.head(x, w.norm, w.lm_head, self.cfg.rms_norm_eps, k)
+
+    # ---- the stack
+    def run(self, ids: Tensor, state, start: int | Tensor, max_len: int | None = None, *,
+            step: bool = False, cuts: Sequence[int] = ()) -> tuple[Tensor, dict]:  # fmt: skip
+        """The last layer's output (T, D) for ids (T,) at positions [start, start+T), and
+        the DeltaNet states after the first ``c`` tokens for ``c`` in ``cuts`` (offsets in
+        (0, T)) as ``{c: {layer: (conv, recurrent)}}``. The caches must already hold
+        start + T positions. ``step``: a decode step (one token; ``start`` may be a device
+        tensor, then ``max_len`` bounds it and stays fixed within a captured graph)."""
+        k = self.step_ops if step else self.chunk_ops
+        t = ids.shape[0]
+        if max_len is None:
+            max_len = start + t
+        start = self._position(start, t, k)
+        snaps: dict[int, dict] = {}
+        layers = self.weights.layers
+        last = len(layers) - 1
+        x = ops.embed(ids, self.weights.embed_tokens, self.dtype, k)
+        h = None  # the layer's normed input, when the op before made it
+        for i, lw in enumerate(layers):
+            nxt = layers[i + 1].input_norm if i < last else None
+            x, h = self._layer(i, lw, x, h, state, start, max_len, k, nxt, cuts, snaps)
+        return x, snaps
+
+    def forward(self, ids: Tensor, state, start: int | Tensor, max_len: int | None = None, *,
+                step: bool = False, cuts: Sequence[int] = ()) -> tuple[Tensor, dict]:  # fmt: skip
+        """Logits (V,) of the last of ids (T,), and the snapshots of ``run``."""
+        x, snaps = self.run(ids, state, start, max_len, step=step, cuts=cuts)
+        return self.head(x[-1:], step)[0], snaps
+
+    def _position(self, start: int | Tensor, t: int, k: ops.Kernels | None) -> int | Tensor:
+        # A one-token chunk takes the decode kernels, which read the position on the device.
+        if k is not None and t == 1 and isinstance(start, int):
+            return to_device([start], torch.int32, self.device)
+        return start
+
+    def _layer(self, i: int, lw: LayerWeights, x: Tensor, h: Tensor | None, state,
+               start: int | Tensor, max_len: int, k: ops.Kernels | None,
+               next_norm: Tensor | None, cuts: Sequence[int],
+               snaps: dict) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+        """Layer ``i`` on the residual stream x, with ``h`` its input norm when the op before
+        made it; returns x and, where the MoE made it, its norm by ``next_norm``."""
+        cfg = self.cfg
+        eps = cfg.rms_norm_eps
+        mw = lw.mixer
+        parts = ops.project(x, h, lw.input_norm, mw.proj, eps, k)
+        if isinstance(mw, DeltaNetWeights):
+            st = state.deltanet[i]
+            if cuts:
+                got: list = []
+                o = ops.deltanet(parts, mw, st.conv, st.recurrent, eps, k, cuts, got)
+                for c, s in zip(cuts, got, strict=True):
+                    snaps.setdefault(c, {})[i] = s
             else:
-                x = x + attention_layer(p, pre + "attn.", h, state.kv[i], start, cfg)
-            h = rms_norm(x, p[pre + "post_norm"], cfg.rms_norm_eps)
-            x = x + moe_layer(p, pre + "moe.", h, cfg)
-        state.length = start + ids.shape[0]
-        state.tokens.extend(ids.tolist())
-        state.busy = False
-        return rms_norm(x, p["norm"], cfg.rms_norm_eps)
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """fp32 logits (T, V) for hidden states (T, D)."""
-        return linear(h, self.params["lm_head"]).float()
-
-    def forward(self, ids: torch.Tensor, state, all_logits: bool = False) -> torch.Tensor:
-        """Logits of the last position (1, V), or of every position with ``all_logits``."""
-        h = self.hidden(ids, state)
-        return self.logits(h if all_logits else h[-1:])
+                o = ops.deltanet(parts, mw, st.conv, st.recurrent, eps, k)
+        else:
+            kv = state.kv[i]
+            o = ops.attention(parts, mw, kv.k, kv.v, start, max_len, cfg, k)
+        x, h = ops.out_norm(o, mw.out_proj, x, lw.post_norm, eps, k)
+        return ops.moe(x, h, lw.post_norm, lw.moe, next_norm, cfg, k)

@@ -1,1 +1,2 @@
-"""GPU kernels (Triton): one op family per module, plain-PyTorch references in ref_*.py."""
+"""GPU kernels (Triton): one op family per module; their plain-PyTorch references are the
+model's (lily/model, in the checks' form lily/model/ref.py)."""

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 KIB = 1024
 
@@ -86,7 +88,7 @@ def arch_named(name: str) -> Arch:
 # NOTE: process-wide, like the device itself: set once when an engine is built (before
 # any kernel compiles), read by every launcher; None: each device's own record.
 _forced: Arch | None = None
-_by_index: dict[int, Arch] = {}
+_by_index: dict[int | None, Arch] = {}  # by device index (None: the current device)
 _MMA_V3_OFF = "DISABLE_MMA_V3"
 _set_env = False  # whether force_arch set it (one set by the user stays)
 
@@ -121,8 +123,11 @@ def current_arch(device: torch.device) -> Arch:
         return _forced
     if device.type != "cuda":
         return DEFAULT
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    arch = _by_index.get(index)
+    arch = _by_index.get(device.index)
     if arch is None:
-        arch = _by_index[index] = arch_for_capability(*torch.cuda.get_device_capability(index))
+        import torch  # NOTE: here, so that the command line can list the records cheaply
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        arch = arch_for_capability(*torch.cuda.get_device_capability(index))
+        _by_index[device.index] = arch
     return arch

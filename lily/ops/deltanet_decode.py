@@ -17,7 +17,7 @@ launch:
 Every load is issued at the start: the step is a chain of dependent memory latencies.
 With programmatic dependent launch (``pdl``) the states and weights load while the input
 projection still runs, and the output projection after it launches while this one runs
-(bench/gpu_decode_timeline.py: the step at 4K 1.596 -> 1.522 ms on the H200).
+(lily/bench/gpu/diagnostics/decode_timeline.py: the step at 4K 1.596 -> 1.522 ms on the H200).
 No host synchronisation: the step can be captured in a CUDA graph (pass a persistent
 ``workspace``, see ``DeltaNetDecodeWorkspace``).
 """

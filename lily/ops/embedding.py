@@ -2,10 +2,10 @@
 
 The reference (``lily.model.linear.embedding``) indexes the words, scales and biases and
 dequantizes with about ten torch ops: on the GPU that was ten launches and ~0.4 ms of host
-time before a prefill's first layer (bench/gpu_timeline.py), and ten kernels in every decode
-step. Here one program writes BLOCK_D values of one token's row with the reference's
-arithmetic and roundings: ``round(round(q * scale) + bias)`` in the output dtype, so the two
-agree bit for bit.
+time before a prefill's first layer (lily/bench/gpu/diagnostics/timeline.py), and ten
+kernels in every decode step. Here one program writes BLOCK_D values of one token's row with
+the reference's arithmetic and roundings: ``round(round(q * scale) + bias)`` in the output
+dtype, so the two agree bit for bit.
 """
 
 from __future__ import annotations

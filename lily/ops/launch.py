@@ -3,7 +3,6 @@ small integer helpers, and programmatic-dependent-launch options."""
 
 from __future__ import annotations
 
-import array
 import contextlib
 import os
 import weakref
@@ -29,29 +28,6 @@ def cdiv(a: int, b: int) -> int:
     NOTE: ``triton.cdiv`` and ``triton.next_power_of_2`` are ConstexprFunctions in Triton 3.6:
     a few microseconds per host call, which adds up to tens of microseconds per launcher."""
     return -(-a // b)
-
-
-# array type codes of the same width as the torch dtype ("q": 8 bytes, "i": 4 bytes)
-_ARRAY_CODES = {torch.long: "q", torch.int32: "i"}
-
-
-def to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A small host list as a device tensor without stalling the host.
-
-    NOTE: ``torch.tensor(values, device="cuda")`` copies from pageable memory, which waits
-    for the device to finish the work already queued: called inside a prefill it drained
-    the queue and the host could never run ahead of the GPU (bench/gpu_host_time.py). A
-    pinned copy with non_blocking does not wait; torch keeps the pinned block until the
-    copy is done. The list goes through ``array`` (one C loop): ``torch.tensor`` of a
-    1,128-id prompt took 82 us on the CPU machine, the array 24 us."""
-    code = _ARRAY_CODES.get(dtype)
-    if code is None or not values:
-        t = torch.tensor(values, dtype=dtype)
-    else:
-        t = torch.frombuffer(array.array(code, values), dtype=dtype)
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def check(cond: bool, op: str, msg) -> None:

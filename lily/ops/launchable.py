@@ -1,11 +1,13 @@
 """The registry of launchable kernel configs: every launch the engine can make, per model
 variant and GPU architecture, as the compile matrix compiles them (lily/ops/matrix.py).
 
-The launches are not restated here: the GPU runner itself runs on meta tensors under
-``record_launches`` (nothing is allocated or run), so every op, flag and constexpr is the
-one the engine passes. What this module owns is the inputs that reach every entry of every
-tile table: the prefill lengths (``prefill_lengths``: each table scanned over all chunk
-lengths, the first length of each entry kept), the decode context buckets
+The launches are not restated here: the engine's runner (lily/runtime/runner.py) runs the
+model on the kernels (lily/model/ops.py's dispatch, prefill chunks and decode steps) on
+meta tensors under ``record_launches`` (nothing is allocated or run), so every op, flag and
+constexpr is the one the engine passes. What this module owns is the inputs that reach
+every entry of every tile table: the prefill lengths (``prefill_lengths``: the tables
+scanned over all chunk lengths, the first length of each choice kept), the decode context
+lengths
 (``decode_lengths``: the attention launch plan scanned over all context lengths), the
 prefix-cache cut inside a chunk, and the launches a meta run cannot reach (the flash
 attention's key split, picked from the SM count of a real GPU).
@@ -20,14 +22,14 @@ from dataclasses import dataclass
 
 import torch
 
-from lily.config import ModelConfig
+from lily.config import EngineConfig, ModelConfig
 from lily.ops.arch import Arch, force_arch, forced_arch
 from lily.ops.launch import record_launches
 from lily.ops.matrix import Launch, freeze
 
-# Prefill chunks the tables are scanned over (at most the model's context): the engine's
-# default chunk is 2,048 and for the full model every table is constant past 3,073 rows
-# (tests/ops/test_compile_matrix.py checks it up to the 262,144-token context).
+# Prefill chunks the tables are scanned over (at most the model's context): twice the
+# engine's default chunk (8,192); for the full model every table is constant past 3,073
+# rows (tests/ops/test_compile_matrix.py checks it up to the 262,144-token context).
 SCAN_ROWS = 16384
 # Decode context lengths scanned: at most the full model's context.
 MAX_CONTEXT = 262144
@@ -77,38 +79,17 @@ def first_of_each(table: Callable[[int], object], rows: Iterable[int]) -> list[i
     return sorted(seen.values())
 
 
-def prefill_gemms(cfg: ModelConfig) -> list[tuple[int, int]]:
-    """(N, K) of the dense prefill GEMMs: the fused DeltaNet and attention input
-    projections, the DeltaNet out_proj and the attention o_proj."""
-    d, hd = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
-    dn_n = cfg.conv_dim + cfg.value_dim + 2 * cfg.linear_num_value_heads
-    at_n = 2 * hd + 2 * cfg.num_key_value_heads * cfg.head_dim
-    return [(dn_n, d), (at_n, d), (d, cfg.value_dim), (d, hd)]
-
-
-def prefill_tables(cfg: ModelConfig, arch: Arch, group_size: int = 64) -> list[Callable]:
-    """Every table a prefill chunk of T rows consults, as functions of T (unwrapped from
-    their caches: a scan must not evict the engine's entries)."""
-    from lily.ops.moe_prefill import moe_prefill_config, router_gemm_config
-    from lily.ops.qgemm import gemm_config
-
-    gemm = gemm_config.__wrapped__
-    e, top_k = cfg.num_experts, cfg.num_experts_per_tok
-    out = [lambda t, n=n, k=k: gemm(t, n, k, group_size, arch) for n, k in prefill_gemms(cfg)]
-    out.append(lambda t: router_gemm_config.__wrapped__(t, group_size, arch))
-    out.append(lambda t: moe_prefill_config.__wrapped__(t, top_k, e, arch))
-    return out
-
-
 @functools.lru_cache(maxsize=64)
-def prefill_lengths(cfg: ModelConfig, arch: Arch) -> list[int]:
+def prefill_lengths(cfg: ModelConfig, arch: Arch, x_bytes: int = 2) -> list[int]:
     """Chunk lengths that reach every entry of the prefill tables for this model and arch:
-    1..8 (the GEMV path), the first length of each entry of each table (up to SCAN_ROWS or
-    the model's context), and the default chunk (2,048)."""
+    1..8 (the decode kernels and the GEMV path), the first length of each distinct choice
+    of the tables (``table_choices``, the warm-up's; up to SCAN_ROWS or the model's
+    context), and the engine's default chunk."""
+    from lily.runtime.warmup import table_choices
+
     rows = range(2, min(SCAN_ROWS, cfg.max_position_embeddings) + 1)
-    out = set(range(1, 9)) | {2048}
-    for table in prefill_tables(cfg, arch):
-        out |= set(first_of_each(table, rows))
+    out = set(range(1, 9)) | {min(EngineConfig.prefill_chunk, rows[-1])}
+    out |= set(first_of_each(lambda t: table_choices(cfg, t, arch, x_bytes), rows))
     return sorted(out)
 
 
@@ -129,13 +110,16 @@ def decode_lengths(arch: Arch, max_context: int = MAX_CONTEXT) -> list[int]:
 def _engine(v: Variant):
     from lily.bench.random_model import random_params
     from lily.model.model import Model
-    from lily.runtime.gpu_runner import GpuRunner
+    from lily.runtime.runner import Runner
 
     cfg = model_config(v)
     dtype = getattr(torch, v.dtype)
-    model = Model(cfg, random_params(cfg, "meta", v.layout, dtype=dtype), dtype)
-    # one chunk per prefill, no graphs (capture needs a GPU), host sampling
-    runner = GpuRunner(model, SCAN_ROWS, use_graphs=False, sample_on_device=False)
+    # the kernels with the engine's defaults (PDL and tensor-core GEMVs in decode steps)
+    params = random_params(cfg, "meta", v.layout, dtype=dtype)
+    model = Model(cfg, params, dtype, kernels=True)
+    # one chunk per prefill; decode steps eager (a captured step launches the same kernels
+    # with the same arguments: the position is a device tensor either way), host sampling
+    runner = Runner(model, SCAN_ROWS, use_graphs=False, sample_on_device=False)
     return cfg, dtype, runner
 
 
@@ -175,7 +159,7 @@ def launches(v: Variant, arch: Arch) -> dict[Launch, list[str]]:
             for r in records:
                 found.setdefault(freeze(r), []).append(where)
 
-        for t in prefill_lengths(cfg, arch):
+        for t in prefill_lengths(cfg, arch, dtype.itemsize):
             ids = list(range(t))
             # from position 0, then after a first chunk (start > 0), with a prefix-cache
             # cut inside the second one (the in-kernel snapshot of the DeltaNet state)

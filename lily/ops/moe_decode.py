@@ -47,7 +47,8 @@ from lily.ops.launch import (
 from lily.ops.moe_decode_mma import mma_fits, moe_mma_experts
 from lily.ops.moe_decode_parts import down_early, down_finish, slot_expert
 from lily.ops.norm_rope import sigmoid
-from lily.ops.qgemv import _as_f, gemv_block, gemv_tile, load_words, load_x, pdl_wait
+from lily.ops.qgemv import as_f as _as_f
+from lily.ops.qgemv import gemv_block, gemv_tile, load_words, load_x, pdl_wait
 from lily.ops.rmsnorm import check_norm, norm_meta, norm_x
 from lily.quant import QuantWeight
 
@@ -295,7 +296,7 @@ class MoeDecodeConfig:
             raise ValueError(f"MoeDecodeConfig.mma_rows must be 16, 32 or 64, got {self.mma_rows}")
 
 
-def _check_moe_weights(
+def check_moe_weights(
     gate: QuantWeight, up: QuantWeight, down: QuantWeight, name: str
 ) -> tuple[int, int, int]:
     check_weight(gate, f"{name}: gate", 3)
@@ -315,7 +316,7 @@ def _check_moe_weights(
     return e, i, d
 
 
-def _check_shared(
+def check_shared(
     sg: QuantWeight | None, su: QuantWeight | None, sd: QuantWeight | None,
     seg: QuantWeight | None, gate: QuantWeight, d: int, name: str,
 ) -> int:  # fmt: skip
@@ -375,11 +376,11 @@ def moe_decode(
     programmatic dependent launch (Hopper and newer; ignored elsewhere; see lily.ops.qgemv).
     """
     name = "moe_decode"
-    e, i, d = _check_moe_weights(gate, up, down, name)
+    e, i, d = check_moe_weights(gate, up, down, name)
     check_weight(router, f"{name}: router", 2)
     if tuple(router.shape) != (e, d):
         raise ValueError(f"{name}: router {router.shape} must be (E, D) = ({e}, {d})")
-    i_s = _check_shared(shared_gate, shared_up, shared_down, shared_expert_gate, gate, d, name)
+    i_s = check_shared(shared_gate, shared_up, shared_down, shared_expert_gate, gate, d, name)
     check_x(x, d, name, gate.device)
     if x.dim() != 1:
         raise ValueError(f"{name}: x must be one token (D,), got {tuple(x.shape)}")

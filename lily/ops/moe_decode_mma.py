@@ -17,7 +17,7 @@ from lily.ops.launch import cdiv, launched, mask_lo, pdl_launch, pow2
 from lily.ops.moe_decode_parts import down_early, down_finish, slot_expert
 from lily.ops.norm_rope import sigmoid
 from lily.ops.qgemv import pdl_wait
-from lily.ops.qgemv_mma import _PAIR_MASK, _TERMS, mma_dot, mma_tile, mma_x, mma_x_row
+from lily.ops.qgemv_mma import PAIR_MASK, X_TERMS, mma_dot, mma_tile, mma_x, mma_x_row
 from lily.quant import QuantWeight
 
 
@@ -126,9 +126,9 @@ def moe_mma_experts(
         x, nw, logits, ids, wts, h,
         gate.qweight, gate.scales, gate.biases, up.qweight, up.scales, up.biases,
         gate.qweight.stride(0), gate.scales.stride(0), gate.qweight.stride(1),
-        gate.scales.stride(1), e, i, h.stride(0), _PAIR_MASK, float(eps),
+        gate.scales.stride(1), e, i, h.stride(0), PAIR_MASK, float(eps),
         TOP_K=top_k, BLOCK_K=pow2(top_k), BLOCK_E=pow2(e), GROUP=gs, NG=ng, G=g, BLOCK_N=bn,
-        W=w, N_BLOCKS=nb, TERMS=_TERMS[x.dtype], HAS_NORM=has_norm, EVEN_N=i % bn == 0,
+        W=w, N_BLOCKS=nb, TERMS=X_TERMS[x.dtype], HAS_NORM=has_norm, EVEN_N=i % bn == 0,
         EVEN_K=g == ng, ON_CPU=on_cpu, PDL=pdl, num_warps=w, **pdl_launch(pdl),
     )  # fmt: skip
     # down: K = the k slots' I; one program a bn rows of D
@@ -140,7 +140,7 @@ def moe_mma_experts(
         down.qweight, down.scales, down.biases, down.qweight.stride(0), down.scales.stride(0),
         down.qweight.stride(1), down.scales.stride(1),
         sd.qweight, sd.scales, sd.biases, sd.qweight.stride(0), sd.scales.stride(0),
-        e, d, i_s, h.stride(0), _PAIR_MASK, mask_lo(down.bits),
+        e, d, i_s, h.stride(0), PAIR_MASK, mask_lo(down.bits),
         TOP_K=top_k, GROUP=gs, SG=sg, G=g, W=w, BITS=down.bits,
         S_BG=pow2(max(i_s, gs) // gs), BLOCK_N=bn, HAS_SHARED=has_shared, HAS_RES=has_res,
         EVEN_N=d % bn == 0, ON_CPU=on_cpu, PDL=pdl, num_warps=w, **pdl_launch(pdl),

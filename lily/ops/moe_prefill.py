@@ -33,12 +33,12 @@ import triton.language as tl
 
 from lily.ops.arch import DEFAULT, Arch, current_arch
 from lily.ops.launch import cdiv, check_weight, check_x, launched, mask_lo, pow2
-from lily.ops.moe_decode import _check_moe_weights, _check_shared
+from lily.ops.moe_decode import check_moe_weights, check_shared
 from lily.ops.moe_decode_parts import topk_rows
 from lily.ops.qgemm import (
     GemmConfig,
-    _launch_qgemm,
     block_m_for,
+    launch_qgemm,
     load_dequant,
     mma,
 )
@@ -296,12 +296,12 @@ def moe_prefill_config(
     t: int, top_k: int, n_experts: int, arch: Arch = DEFAULT
 ) -> MoePrefillConfig:
     """Tiles from the mean rows per expert, measured on the H200 at the real shapes
-    (bench/gpu_tile_sweep.py, bench/results/tile_sweep_h200_run1.json): the gate/up tile
-    of 64 x 64 (4 warps, 4 stages) at 52 rows per expert took 561 us a layer against 619
-    for 128 x 64 with 8 warps; 128 x 128 x 128 at 128 rows took 1,147 us against 1,609.
-    From 24 rows per expert the 64-row tile beats the 32-row one, which dequantizes most
-    experts' weights twice: 0.50-0.53 ms a layer against 0.72-0.84 at T = 768-1,400
-    (bench/gpu_moe_tile.py, bench/results/moe_tile_h200.json)."""
+    (lily/bench/gpu/kernels/tile_sweep.py, bench/results/tile_sweep_h200_run1.json): the
+    gate/up tile of 64 x 64 (4 warps, 4 stages) at 52 rows per expert took 561 us a layer
+    against 619 for 128 x 64 with 8 warps; 128 x 128 x 128 at 128 rows took 1,147 us against
+    1,609. From 24 rows per expert the 64-row tile beats the 32-row one, which dequantizes
+    most experts' weights twice: 0.50-0.53 ms a layer against 0.72-0.84 at T = 768-1,400
+    (lily/bench/gpu/kernels/moe_tile.py, bench/results/moe_tile_h200.json)."""
     rows = t * top_k / n_experts
     bm = 64 if 24 <= rows <= 96 else block_m_for(rows)
     if bm <= 32:
@@ -326,7 +326,7 @@ def router_gemm_config(t: int, group_size: int, arch: Arch = DEFAULT) -> GemmCon
 
 # tokens per routing program: 8 against 16 took moe_prefill from 516.8 to 506.3 us a layer at
 # 1,128 tokens, 557 to 541 at 512, 723 to 717 at 2,048 (bench/results/route_tile_h200.json)
-_BLOCK_T = 8
+ROUTE_BLOCK_T = 8
 _BLOCK_B = 32  # block-map tiles per planning program
 _BLOCK_R = 256  # (token, slot) pairs per planning program
 
@@ -359,11 +359,11 @@ def moe_prefill(
     host of a reused turn 40-90 us).
     """
     name = "moe_prefill"
-    e, i, d = _check_moe_weights(gate, up, down, name)
+    e, i, d = check_moe_weights(gate, up, down, name)
     check_weight(router, f"{name}: router", 2)
     if tuple(router.shape) != (e, d):
         raise ValueError(f"{name}: router {router.shape} must be (E, D) = ({e}, {d})")
-    i_s = _check_shared(shared_gate, shared_up, shared_down, shared_expert_gate, gate, d, name)
+    i_s = check_shared(shared_gate, shared_up, shared_down, shared_expert_gate, gate, d, name)
     check_x(x, d, name, gate.device)
     if x.dim() != 2:
         raise ValueError(f"{name}: x must be (T, D), got {tuple(x.shape)}")
@@ -393,16 +393,16 @@ def moe_prefill(
 
     # 1-2. router logits, top-k, weights, ranks inside each expert.
     logits = torch.empty((t, e), dtype=torch.float32, device=dev)
-    _launch_qgemm(x, router, logits, router_gemm_config(t, router.group_size, arch), split_w=True)
+    launch_qgemm(x, router, logits, router_gemm_config(t, router.group_size, arch), split_w=True)
     ids = torch.empty((t, top_k), dtype=torch.int32, device=dev)
     rank = torch.empty((t, top_k), dtype=torch.int32, device=dev)
     wts = torch.empty((t, ks), dtype=torch.float32, device=dev)
     counts = torch.zeros(e, dtype=torch.int32, device=dev)
     sg_bk = max(256, seg.group_size)
-    _moe_route_kernel[(cdiv(t, _BLOCK_T),)](
+    _moe_route_kernel[(cdiv(t, ROUTE_BLOCK_T),)](
         logits, x, seg.qweight, seg.scales, seg.biases, ids, wts, counts, rank,
         t, e, d, logits.stride(0), x.stride(0), mask_lo(seg.bits),
-        TOP_K=top_k, BLOCK_K=pow2(top_k), BLOCK_T=_BLOCK_T,
+        TOP_K=top_k, BLOCK_K=pow2(top_k), BLOCK_T=ROUTE_BLOCK_T,
         BLOCK_E=pow2(e), HAS_SHARED=has_shared, SG_BITS=seg.bits,
         SG_GROUP=seg.group_size, SG_BLOCK_K=sg_bk, SG_STEPS=cdiv(d, sg_bk),
         num_warps=4,

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from lily.ops.arch import DEFAULT, Arch, current_arch
 from lily.ops.launch import cdiv, check_weight, check_x, launched, mask_lo
-from lily.ops.qgemv import _as_f
+from lily.ops.qgemv import as_f as _as_f
 from lily.ops.rmsnorm import cast_to, to_bf16
 from lily.quant import QuantWeight
 
@@ -212,7 +212,7 @@ def gemm_config(
     return GemmConfig(bm, 64, bk, num_warps=4, num_stages=3)
 
 
-def _launch_qgemm(
+def launch_qgemm(
     x: Tensor, w: QuantWeight, out: Tensor, cfg: GemmConfig, split_w: bool = False
 ) -> None:
     t, k = x.shape
@@ -253,5 +253,5 @@ def qgemm(
         return out
     cfg = config or gemm_config(x.shape[0], n, k, w.group_size, current_arch(x.device),
                                 x.element_size())  # fmt: skip
-    _launch_qgemm(x, w, out, cfg, precise)
+    launch_qgemm(x, w, out, cfg, precise)
     return out

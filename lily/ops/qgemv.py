@@ -68,6 +68,9 @@ def _as_f(t, mask):
     return ((t & mask) | 0x3F800000).to(tl.float32, bitcast=True)
 
 
+as_f = _as_f  # its public name for the kernels of other modules (their bodies call _as_f)
+
+
 @triton.jit
 def x_prep(b_x, BITS: tl.constexpr, BLOCK_G: tl.constexpr):
     """x block (BW, PER) fp32 -> (x' (BW, PER), sum x (BG,), sum x' (BG,)).
@@ -340,10 +343,11 @@ def gemv_config(n: int, k: int, t: int, bits: int, group_size: int) -> GemvConfi
         wpg = group_size * bits // 32
         per_step = max(1, _STEP_WORDS // (block_n * wpg))
     else:
-        # Registers hold T rows of x-side values: 2048 codes a row per step over T,
-        # rounded down to a power of two (T = 3, 5, 6 gave 10, 6, 5 groups: no tile).
+        # Registers hold T rows of x-side values: 2048 codes a row per step over T, rounded
+        # down to a power of two (T = 3, 5, 6 gave 10, 6, 5 groups: not a tile).
         block_n = 8
-        per_step = 1 << (max(1, 2048 // group_size // t).bit_length() - 1)
+        per_step = max(1, 2048 // group_size // t)
+        per_step = 1 << (per_step.bit_length() - 1)
     per_step = min(pow2(n_groups), per_step)
     row_blocks = cdiv(n, block_n)
     split = 1

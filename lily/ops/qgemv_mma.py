@@ -40,8 +40,8 @@ from lily.quant import QuantWeight
 
 Tensor = torch.Tensor
 
-_PAIR_MASK = 0x000F000F  # code m of both 16-bit halves; a run-time argument (one LOP3)
-_TERMS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}  # bf16 terms that hold x
+PAIR_MASK = 0x000F000F  # code m of both 16-bit halves; a run-time argument (one LOP3)
+X_TERMS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}  # bf16 terms that hold x
 _SMS = 132  # H200; only the tile table uses it
 
 
@@ -369,9 +369,9 @@ def qgemv_mma(
     _qgemv_mma_kernel[(cdiv(n, cfg.block_n),)](
         x1, w.qweight, w.scales, w.biases, norm_weight if norm_weight is not None else x1,
         residual if residual is not None else out, out, n, w.qweight.stride(0),
-        w.scales.stride(0), _PAIR_MASK, float(eps),
+        w.scales.stride(0), PAIR_MASK, float(eps),
         GROUP=w.group_size, NG=n_groups, G=groups, BLOCK_N=cfg.block_n, W=warps,
-        TERMS=_TERMS[x.dtype], HAS_NORM=norm_weight is not None, HAS_RES=residual is not None,
+        TERMS=X_TERMS[x.dtype], HAS_NORM=norm_weight is not None, HAS_RES=residual is not None,
         EVEN_N=n % cfg.block_n == 0, EVEN_K=groups == n_groups, ON_CPU=x.device.type == "cpu",
         PDL=pdl, num_warps=warps, **pdl_launch(pdl), **regs,
     )  # fmt: skip

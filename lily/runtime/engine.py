@@ -10,15 +10,11 @@ import torch
 
 from lily.config import EngineConfig, ModelConfig
 from lily.model.model import Model
-from lily.runtime.generate import (
-    LogitsProcessor,
-    ReferenceRunner,
-    Runner,
-    StepOutput,
-    Usage,
-    decode_loop,
-)
+from lily.ops.arch import force_arch
+from lily.runtime.generate import LogitsProcessor, StepOutput, Usage, decode_loop
+from lily.runtime.memory_plan import engine_plan
 from lily.runtime.prefix_cache import PrefixCache
+from lily.runtime.runner import Runner
 from lily.runtime.sampling import SamplingParams
 from lily.runtime.state import SessionState
 from lily.tokenizer import Tokenizer
@@ -50,10 +46,21 @@ class Engine:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.dtype = DTYPES[engine_cfg.dtype]
-        self.model = Model(cfg, params, self.dtype)
-        self.max_context = min(engine_cfg.max_context, cfg.max_position_embeddings)
+        if engine_cfg.use_kernels and not str(engine_cfg.device).startswith("cuda"):
+            raise ValueError("the kernel path (use_kernels) needs a CUDA device")
+        if engine_cfg.gpu_arch is not None:
+            # another GPU's kernel tables and switches, before any kernel compiles (a
+            # process-wide choice, like the device; see lily/ops/arch.py)
+            force_arch(engine_cfg.gpu_arch)
+        self.model = Model(cfg, params, self.dtype, kernels=engine_cfg.use_kernels)
         self.generation_defaults: dict = dict(tokenizer.generation_config or {})
-        self.runner: Runner = make_runner(self.model, engine_cfg)
+        self.runner = Runner(self.model, engine_cfg.prefill_chunk)
+        # The context window, from the free memory when engine_cfg.max_context is None
+        # (lily/runtime/memory_plan.py); the weights counted as loaded and fused.
+        self.memory_plan = engine_plan(
+            cfg, engine_cfg, self.dtype, self.model.weights.params(), self.runner.use_graphs
+        )
+        self.max_context = self.memory_plan.max_context
         self.last_usage = Usage()
         self.state = self.new_state()  # the working state; the prefix cache owns copies
         self.prefix_cache = PrefixCache(
@@ -93,7 +100,7 @@ class Engine:
 
     # ---- requests
     def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
-        return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, **kwargs))
+        return self.tokenizer.render_chat(messages, **kwargs)[1]
 
     def new_state(self) -> SessionState:
         return SessionState.new(self.cfg, self.engine_cfg.device, self.dtype, self.max_context)
@@ -174,6 +181,7 @@ class Engine:
             start = 0
         if usage is not None:
             usage.cached_tokens = start
+        self.state.reserve(len(prompt) + 1)  # the whole prompt and the first decode step
         cuts = PrefixCache.snapshot_points(prompt, start, self.boundary_ids) if reuse else []
         chunk = max(1, self.engine_cfg.prefill_chunk)
         pos, logits = start, None
@@ -198,28 +206,9 @@ class Engine:
         )
 
     def score(self, ids: list[int]) -> torch.Tensor:
-        """Teacher-forced fp32 logits (T, V) for every position, prefilled in chunks."""
-        state = self.new_state()
-        chunk = self.engine_cfg.prefill_chunk
-        out = []
-        with torch.inference_mode():
-            for i in range(0, len(ids), chunk):
-                t = torch.tensor(ids[i : i + chunk], dtype=torch.long, device=self.model.device)
-                out.append(self.model.forward(t, state, all_logits=True).cpu())
-        return torch.cat(out)
-
-
-def make_runner(model: Model, engine_cfg: EngineConfig) -> Runner:
-    """The Triton/CUDA-graph path when asked for on a GPU; the reference path otherwise."""
-    if engine_cfg.use_kernels:
-        if not str(engine_cfg.device).startswith("cuda"):
-            raise ValueError("the kernel path (use_kernels) needs a CUDA device")
-        from lily.ops.arch import force_arch
-        from lily.runtime.gpu_runner import GpuRunner
-
-        force_arch(engine_cfg.gpu_arch)  # before any kernel compiles (see lily/ops/arch.py)
-        return GpuRunner(model, engine_cfg.prefill_chunk)
-    return ReferenceRunner(model, engine_cfg.prefill_chunk)
+        """Teacher-forced fp32 logits (T, V) on the CPU for every position, prefilled in
+        chunks on a fresh state by the runner (the generation path: kernels on a GPU)."""
+        return self.runner.score(ids, self.new_state())
 
 
 def _consistent(state: SessionState) -> bool:

@@ -1,4 +1,4 @@
-"""The generation loop: chunked prefill, then one token at a time until a stop.
+"""The generation loop: after the prefill, one token at a time until a stop.
 
 Two loops share the host's end checks (`_Ends`): the plain one samples on the host side
 of each step (logits processors and log-probs need it); the pipelined one, for runners
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lily.runtime.device_decode import DeviceDecode
+from lily.runtime.runner import Runner
 from lily.runtime.sampling import Sampler, SamplingParams
 from lily.runtime.stops import StopMatcher
 from lily.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -34,84 +34,6 @@ class Usage:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
-
-
-class Runner:
-    """What the loop needs from a forward path (reference or GPU)."""
-
-    # Set by runners that can decode from device-sampled tokens (see `decode_sampled`).
-    device_decode: DeviceDecode | None = None
-
-    def prefill(self, ids: list[int], state) -> torch.Tensor:  # logits (V,) of the last
-        raise NotImplementedError
-
-    def decode(self, token_id: int, state) -> torch.Tensor:  # logits (V,)
-        raise NotImplementedError
-
-    def prefill_snapshots(
-        self, ids: list[int], state, points: list[int]
-    ) -> tuple[torch.Tensor, dict[int, dict]]:
-        """Prefill ``ids`` and return the DeltaNet states at absolute positions ``points``.
-
-        This version prefills the pieces between the points separately; runners that can
-        copy the state out in the middle of a chunk override it.
-        """
-        snaps, logits = {}, None
-        origin = pos = state.length
-        end = origin + len(ids)
-        for cut in [*[p for p in points if origin < p < end], end]:
-            logits = self.prefill(ids[pos - origin : cut - origin], state)
-            pos = cut
-            if cut < end:
-                snaps[cut] = state.snapshot_recurrent()
-        return logits, snaps
-
-    def decode_sampled(self, state) -> None:
-        """One step whose input is the last draw of ``device_decode``, already on the
-        device: consume it at ``state.length``, draw the next, start its copy to the host.
-
-        NOTE: ``state.length`` advances and ``state.busy`` is set, but the consumed id is
-        not in ``state.tokens`` yet (the host does not know it): the loop appends it and
-        clears ``busy`` when it reads the draw.
-        """
-        raise NotImplementedError
-
-
-class ReferenceRunner(Runner):
-    """The plain-PyTorch forward, prefilling in chunks of ``chunk`` tokens. With
-    ``sample_on_device`` it also offers the pipelined loop's hook, run eagerly."""
-
-    def __init__(self, model, chunk: int, sample_on_device: bool = False):
-        self.model = model
-        self.chunk = max(1, chunk)
-        if sample_on_device:
-            tok = torch.zeros(1, dtype=torch.long, device=model.device)
-            self.device_decode = DeviceDecode(tok, model.cfg.vocab_size)
-
-    def prefill(self, ids: list[int], state) -> torch.Tensor:
-        dev = self.model.device
-        logits = None
-        with torch.inference_mode():
-            for i in range(0, len(ids), self.chunk):
-                t = torch.tensor(ids[i : i + self.chunk], dtype=torch.long, device=dev)
-                logits = self.model.forward(t, state)
-        assert logits is not None, "prefill needs at least one token"
-        return logits[0]
-
-    def decode(self, token_id: int, state) -> torch.Tensor:
-        t = torch.tensor([token_id], dtype=torch.long, device=self.model.device)
-        with torch.inference_mode():
-            return self.model.forward(t, state)[0]
-
-    def decode_sampled(self, state) -> None:
-        dd = self.device_decode
-        with torch.inference_mode():
-            dd.draw(self.model.forward(dd.tok, state)[0])
-            dd.send()
-        # The model's forward recorded the id; as with the GPU runner, the loop records it
-        # when it reads the draw.
-        state.tokens.pop()
-        state.busy = True
 
 
 class _Ends:
@@ -207,8 +129,7 @@ def _pipelined(runner: Runner, state, logits: torch.Tensor, prompt_ids: list[int
             runner.decode_sampled(state)  # consumes draw i, draws i + 1
         tok = dd.recv(i)
         if early:
-            state.tokens.append(tok)
-            state.busy = False
+            runner.consumed(state, tok)
         usage.completion_tokens = i + 1
         out = ends.step(tok)
         yield out
@@ -216,5 +137,4 @@ def _pipelined(runner: Runner, state, logits: torch.Tensor, prompt_ids: list[int
             return
         if ahead and not early:  # the first token is out: now its step
             runner.decode_sampled(state)
-            state.tokens.append(tok)
-            state.busy = False
+            runner.consumed(state, tok)

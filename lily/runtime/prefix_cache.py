@@ -45,6 +45,7 @@ class Entry:
     deltanet: Snap | None = None  # state at len(tokens) (None while live)
     snaps: dict[int, Snap] = field(default_factory=dict)
     stamp: int = 0
+    spilled: bool = False  # moved to host memory: counted against the host budget
 
     def nbytes(self) -> int:
         n = sum(_snap_bytes(s) for s in self.snaps.values())
@@ -54,8 +55,21 @@ class Entry:
             n += _snap_bytes(self.deltanet)
         return n
 
-    def on_host(self) -> bool:
-        return self.kv is not None and any(k.device.type == "cpu" for k, _ in self.kv.values())
+    def trim(self) -> bool:
+        """Cut a stored entry back to its latest snapshot before its end, freeing the tail's
+        KV; False when it has none left. A conversation squeezed out of the budget keeps
+        its start (the shared system prompt) instead of being lost whole."""
+        n = len(self.tokens)
+        below = [p for p in self.snaps if p < n]
+        if self.kv is None or not below:
+            return False
+        p = max(below)
+        # NOTE: clones, not views: a view would keep the whole old buffer alive.
+        self.kv = {i: (k[:, :p].clone(), v[:, :p].clone()) for i, (k, v) in self.kv.items()}
+        self.tokens = self.tokens[:p]
+        self.deltanet = self.snaps[p]
+        self.snaps = {q: s for q, s in self.snaps.items() if q < p}
+        return True
 
 
 _BLOCK = 512  # tokens compared per list-slice equality (C speed) before the item loop
@@ -118,39 +132,53 @@ class PrefixCache:
             if best_r < state.length:
                 state.restore(self.live.snaps[best_r], best_r)
         else:
-            self._store_live(state)
+            # NOTE: out of `stored` before the live copy goes in: storing evicts, and the
+            # least recently used entry may be this very one.
             self.stored.remove(best)
-            self._load(best, best_r, state)
-            best.kv, best.deltanet = None, None
+            self._store_live(state)
+            snap = self._load(best, best_r, state)
+            if best_r == len(best.tokens):
+                # Keep the point resumed from (often a trimmed entry's system-prompt end):
+                # the prefill below saves only the new part's last turn start.
+                best.snaps[best_r] = snap
+            best.kv, best.deltanet, best.spilled = None, None, False
             self.live = best
         if self.live is None or best is None:
             self.live = Entry(tokens=state.tokens)
         live = self.live
         live.tokens = state.tokens
-        live.snaps = {p: s for p, s in live.snaps.items() if p <= best_r}
+        # (to the device: a spilled entry resumed brings its snapshots back from the host)
+        live.snaps = {p: _snap_to(s, self.device) for p, s in live.snaps.items() if p <= best_r}
         live.stamp = next(self._clock)
         self.hits += best_r
         return best_r
 
-    def _load(self, e: Entry, r: int, state: SessionState) -> None:
-        snap = e.deltanet if r == len(e.tokens) else e.snaps[r]
+    def _load(self, e: Entry, r: int, state: SessionState) -> Snap:
+        """Restore ``e``'s first ``r`` tokens into ``state``; returns the snapshot used (on
+        the device)."""
+        snap = _snap_to(e.deltanet if r == len(e.tokens) else e.snaps[r], self.device)
         for i, (k, v) in e.kv.items():
             c = state.kv[i]
             c.ensure(r)
             c.k[:, :r].copy_(k[:, :r])
             c.v[:, :r].copy_(v[:, :r])
         state.tokens[:] = e.tokens[:r]
-        state.restore(_snap_to(snap, self.device), r)
+        state.restore(snap, r)
+        return snap
 
     def _store_live(self, state: SessionState) -> None:
         """Copy the live conversation out of the working state before it is reused."""
         live, self.live = self.live, None
         if live is None or state.length == 0:
             return
-        n = state.length
+        n = state.length if self.host_budget > 0 else _fitting_length(live, state, self.budget)
+        if n == 0:  # not even its first snapshot fits the budget
+            return
         live.tokens = list(state.tokens[:n])
         live.kv = {i: (c.k[:, :n].clone(), c.v[:, :n].clone()) for i, c in state.kv.items()}
-        live.deltanet = state.snapshot_recurrent()
+        live.deltanet = state.snapshot_recurrent() if n == state.length else live.snaps[n]
+        # (a prefill cancelled right at a snapshot leaves one at the end: `deltanet` is it)
+        live.snaps = {p: s for p, s in live.snaps.items() if p < n}
         self.stored.append(live)
         self.evict()
 
@@ -179,34 +207,66 @@ class PrefixCache:
 
     # ---- budget
     def nbytes(self) -> int:
-        live = sum(_snap_bytes(s) for s in self.live.snaps.values()) if self.live else 0
-        return live + sum(e.nbytes() for e in self.stored)
+        """Bytes held in device memory (stored entries not spilled, live snapshots)."""
+        return self._live_snap_bytes() + sum(e.nbytes() for e in self.stored if not e.spilled)
+
+    def host_nbytes(self) -> int:
+        """Bytes of the entries spilled to host memory."""
+        return sum(e.nbytes() for e in self.stored if e.spilled)
 
     def evict(self) -> None:
-        """Move least-recently-used conversations to host memory, then drop them."""
-        spill = self.device.type != "cpu" and self.host_budget > 0
+        """Least recently used first: spill conversations to host memory (when it has a
+        budget), else cut them back to an earlier snapshot, then drop them.
+
+        On a CPU device the host tier is a second budget of the same memory (spilling
+        moves nothing); it keeps one code path, tested without a GPU."""
         for e in sorted(self.stored, key=lambda e: e.stamp):
-            dev = sum(x.nbytes() for x in self.stored if not (spill and x.on_host()))
-            if dev + self._live_snap_bytes() <= self.budget:
+            if self.nbytes() <= self.budget:
                 break
-            if spill and not e.on_host():
+            if e.spilled:
+                continue
+            if self.host_budget > 0:
                 _to_host(e)
-            elif not (spill and e.on_host()):
-                self.stored.remove(e)
-        if spill:
-            for e in sorted((x for x in self.stored if x.on_host()), key=lambda e: e.stamp):
-                if sum(x.nbytes() for x in self.stored if x.on_host()) <= self.host_budget:
-                    break
-                self.stored.remove(e)
+            else:
+                self._shrink(e, lambda: self.nbytes() > self.budget)
+        for e in sorted((x for x in self.stored if x.spilled), key=lambda e: e.stamp):
+            if self.host_nbytes() <= self.host_budget:
+                break
+            self._shrink(e, lambda: self.host_nbytes() > self.host_budget)
         # The live conversation's own snapshots: drop the oldest when still over budget.
         while self.live and len(self.live.snaps) > 1 and self.nbytes() > self.budget:
             del self.live.snaps[min(self.live.snaps)]
+
+    def _shrink(self, e: Entry, over) -> None:
+        """Trim ``e`` while ``over()``; drop it when nothing is left to trim."""
+        while over():
+            if not e.trim():
+                self.stored.remove(e)
+                return
 
     def _live_snap_bytes(self) -> int:
         return sum(_snap_bytes(s) for s in self.live.snaps.values()) if self.live else 0
 
 
+def _fitting_length(live: Entry, state: SessionState, budget: int) -> int:
+    """How much of the live conversation to copy out: all of it, else its latest snapshot
+    whose copy fits ``budget`` on its own, else nothing (0).
+
+    NOTE: copying a conversation the budget cannot hold, only for eviction to drop it, held
+    a second KV cache on the device for a moment (2.5 GiB after a 128K prompt): on a card
+    sized for one, an out-of-memory error at the next request."""
+    per_pos = sum(c.k.shape[0] * c.k.shape[2] * c.k.element_size() * 2 for c in state.kv.values())
+    states = _snap_bytes(state.deltanet)
+    points = sorted((p for p in live.snaps if p < state.length), reverse=True)
+    for n in (state.length, *points):
+        held = sum(_snap_bytes(s) for p, s in live.snaps.items() if p < n)
+        if per_pos * n + states + held <= budget:
+            return n
+    return 0
+
+
 def _to_host(e: Entry) -> None:
+    e.spilled = True
     e.kv = {i: (k.cpu(), v.cpu()) for i, (k, v) in e.kv.items()}
     e.deltanet = _snap_to(e.deltanet, "cpu")
     e.snaps = {p: _snap_to(s, "cpu") for p, s in e.snaps.items()}

@@ -176,8 +176,9 @@ class Sampler:
             e = torch.empty_like(x).exponential_(generator=self.generator)
             x = x - e.clamp_min(torch.finfo(torch.float32).tiny).log()
         best = torch.argmax(x)
-        # One sync for both the id and whether anything was sampleable at all.
-        token = int(torch.where(torch.isfinite(x[best]), best, -1).item())
+        # One sync for both the id and whether anything was sampleable at all. NOTE: `take`,
+        # not x[best]: indexing by a 0-dim device tensor reads the index on the host (a sync).
+        token = int(best.masked_fill(~torch.isfinite(x.take(best)), -1).item())
         if token < 0:
             raise ValueError(NO_TOKEN)
         return token
@@ -207,7 +208,9 @@ def _top_p(x: torch.Tensor, top_p: float) -> torch.Tensor:
     probs = torch.softmax(sorted_x, dim=-1)
     mass_before = torch.cumsum(probs, dim=-1) - probs
     drop = mass_before >= top_p
-    drop[0] = False  # the most likely token always stays
+    # The most likely token always stays. NOTE: fill_, not `drop[0] = False`: assigning a
+    # Python scalar to a CUDA tensor element copies it from the host, a sync per draw.
+    drop[0].fill_(False)
     return x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), -math.inf)
 
 

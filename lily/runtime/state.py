@@ -12,6 +12,22 @@ import torch
 
 from lily.config import ModelConfig
 
+# The K/V caches grow in steps of this many positions (never past the context limit). A
+# doubling cache reached 2x the prompt on the first decode token after a long prompt (5 GiB
+# instead of 2.5 at 128K on the full model: docs/notes/memory.md); steps of 4,096 cost a copy
+# of the cache every 4,096 decode tokens, and the engine reserves a whole prompt at once.
+KV_STEP = 4096
+INITIAL_CAPACITY = 256  # positions of a new state's caches
+RELEASE_BYTES = 32 << 20  # a layer's old K and V at least this big go back to the driver
+
+
+def kv_capacity(positions: int, limit: int, initial: int = INITIAL_CAPACITY) -> int:
+    """The capacity a cache of ``initial`` positions grows to so that ``positions`` fit:
+    the next multiple of KV_STEP, clamped to ``limit``."""
+    if positions <= initial:
+        return min(initial, limit)
+    return min(-(-positions // KV_STEP) * KV_STEP, limit)
+
 
 @dataclass
 class KVCache:
@@ -26,18 +42,30 @@ class KVCache:
         return self.k.shape[1]
 
     def ensure(self, n: int) -> None:
-        """Grow (doubling, capped at ``limit``) so that ``n`` positions fit."""
+        """Grow (in steps of KV_STEP, capped at ``limit``) so that ``n`` positions fit."""
         if n <= self.capacity:
             return
         if n > self.limit:
             raise ValueError(f"context of {n} tokens exceeds the cache limit of {self.limit}")
-        cap = min(max(n, 2 * self.capacity), self.limit)
-        hkv, old, dh = self.k.shape
-        k = self.k.new_zeros(hkv, cap, dh)
-        v = self.v.new_zeros(hkv, cap, dh)
-        k[:, :old] = self.k
-        v[:, :old] = self.v
-        self.k, self.v = k, v
+        cap = kv_capacity(n, self.limit, self.capacity)
+        old = 2 * self.k.numel() * self.k.element_size()
+        # NOTE: K, then V: only one old buffer is held beside its new copy at any time.
+        self.k = _grown(self.k, cap)
+        self.v = _grown(self.v, cap)
+        if self.k.is_cuda and old >= RELEASE_BYTES:
+            # The old buffers go back to the driver now: cached, they would stay reserved
+            # beside the larger new ones and a card sized for one cache would hold two.
+            # (A sync; small caches skip it, a short prompt's timing would show it.)
+            torch.cuda.empty_cache()
+
+
+def _grown(t: torch.Tensor, cap: int) -> torch.Tensor:
+    """``t`` (Hkv, old, Dh) copied into a new (Hkv, cap, Dh) buffer whose tail is zero."""
+    hkv, old, dh = t.shape
+    out = t.new_empty(hkv, cap, dh)
+    out[:, :old] = t
+    out[:, old:].zero_()
+    return out
 
 
 @dataclass
@@ -66,7 +94,7 @@ class SessionState:
         device: torch.device | str,
         dtype: torch.dtype,
         limit: int,
-        initial_capacity: int = 256,
+        initial_capacity: int = INITIAL_CAPACITY,
     ) -> SessionState:
         cap = min(initial_capacity, limit)
         kv = {
@@ -94,6 +122,13 @@ class SessionState:
         }
         return cls(kv=kv, deltanet=dn, limit=limit)
 
+    def reserve(self, n: int) -> None:
+        """Make every K/V cache hold ``n`` positions (at most the limit) in one growth, so a
+        prompt prefilled chunk by chunk does not copy its cache at every step."""
+        n = min(n, self.limit)
+        for c in self.kv.values():
+            c.ensure(n)
+
     def snapshot_recurrent(self) -> dict[int, DeltaNetState]:
         """A copy of the DeltaNet states (they cannot be rewound, only restored)."""
         return {
@@ -104,7 +139,7 @@ class SessionState:
         """Return to an earlier point: DeltaNet states from ``snap``, KV truncated to ``length``."""
         # Two multi-tensor copies, one per dtype, not 60 launches: torch's fused path takes
         # lists of one dtype only (mixed, it fell back to 60 copies: ~1 ms of host time on
-        # a slow host, before any GPU work of the turn; bench/gpu_timeline.py).
+        # a slow host, before any GPU work of the turn; lily/bench/gpu/diagnostics/timeline.py).
         conv = [self.deltanet[i].conv for i in snap]
         torch._foreach_copy_(conv, [s.conv for s in snap.values()])
         rec = [self.deltanet[i].recurrent for i in snap]

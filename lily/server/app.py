@@ -1,7 +1,8 @@
 """The FastAPI app: routes, CORS, OpenAI-shaped errors, start-up and graceful shutdown.
 
 ``lily serve`` (lily/cli.py) calls ``add_serve_args`` and ``run_server``. The engine loads in
-a background thread so ``/health`` answers 503 while it loads; then one worker thread runs
+a background thread so ``/health`` answers 503 while it loads and while its kernels warm up
+(lily/runtime/warmup.py, with ``--warmup``); then one worker thread runs
 requests one at a time (serving.py). API keys, body limits and strict JSON are checked in
 front of the app (guard.py). SIGTERM drains: the port closes, requests already accepted
 (running or queued) finish, then the process exits 0.
@@ -28,6 +29,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
+from lily.server import api_messages, api_responses
+from lily.server.api_messages_events import AnthropicErrors
 from lily.server.grammar import GrammarCompiler
 from lily.server.guard import Gate
 from lily.server.handlers import prepare_chat, prepare_completion, run_full, run_stream
@@ -37,11 +40,21 @@ from lily.server.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    check_model,
     validation_message,
 )
+from lily.server.response_store import ResponseStore
 from lily.server.serving import QueueFull, Scheduler, log_error
+from lily.server.tokens import detokenize, tokenize
 
 log = logging.getLogger("lily.server")
+# After --drain-timeout the server ends what is left (queued requests get a 503, running
+# ones are cancelled and their streams closed properly); uvicorn cancels tasks only if they
+# are still there this much later.
+_END_GRACE = 10.0
+_JOIN_TIMEOUT = 30.0  # one prefill chunk or decode step, with a wide margin
 
 
 @dataclass
@@ -59,6 +72,11 @@ class Settings:
     max_prompt_tokens: int | None = None  # None: the context window is the only limit
     max_request_memory: int | None = None  # bytes; None: what the device or host has free
     drain_timeout: float = 30.0
+    thinking_budget: int | None = None  # reasoning tokens before </think> is forced
+    # Compile every kernel variant before reporting ready. Off by default: on the H200
+    # (2026-12-02) a warm-up probe (a 4-token chunk after 2,048) hit an illegal memory
+    # access not yet isolated (docs/RELIABILITY.md).
+    warmup: bool = False
 
 
 class Context:
@@ -99,6 +117,7 @@ class Context:
         if self.status != "ready" or self.scheduler is None or not self.scheduler.alive:
             msg = {
                 "loading": "the model is still loading",
+                "warming up": "the kernels are still compiling",
                 "draining": "the server is shutting down",
             }.get(self.status, "engine is down")
             raise ApiError(503, msg, type="service_unavailable", headers={"Retry-After": "5"})
@@ -106,7 +125,7 @@ class Context:
 
     def drain(self) -> None:
         """Refuse new requests from now on (the ones accepted still finish)."""
-        if self.status in ("ready", "loading"):
+        if self.status in ("ready", "loading", "warming up"):
             self.status = "draining"
 
 
@@ -129,7 +148,9 @@ def create_app(
     async def lifespan(app: FastAPI):  # noqa: ANN202
         def load() -> None:
             try:
-                ctx.attach(load_engine())
+                engine = load_engine()
+                _start_engine(engine, ctx)
+                ctx.attach(engine)
                 log.info("model ready: %s", ", ".join(ctx.model_names))
             except Exception as e:
                 if isinstance(e, ValueError | OSError):
@@ -145,7 +166,11 @@ def create_app(
         threading.Thread(target=load, name="lily-load", daemon=True).start()
         yield
         if ctx.scheduler is not None:
-            ctx.scheduler.stop()
+            # NOTE: joined, not left to die with the process: a daemon thread inside torch
+            # at interpreter exit aborted it ("terminate called without an active
+            # exception", exit status -6).
+            if not await asyncio.to_thread(ctx.scheduler.close, _JOIN_TIMEOUT):
+                log.error("the engine did not stop within %gs", _JOIN_TIMEOUT)
 
     # No /docs or /redoc: they load scripts from a CDN. /openapi.json stays (no secrets).
     app = FastAPI(title="lily", version="0.1.0", lifespan=lifespan, docs_url=None,
@@ -185,23 +210,33 @@ def create_app(
     async def metrics() -> Response:
         return PlainTextResponse(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    def card(c: Context, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": c.created, "owned_by": "lily",
+                "root": name, "max_model_len": c.engine.max_context}  # fmt: skip
+
     @app.get("/v1/models")
     async def models() -> Response:
         c = ctx.ready()
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": c.created,
-                "owned_by": "lily",
-                "root": name,
-                "max_model_len": c.engine.max_context,
-            }  # fmt: skip
-            for name in c.model_names
-        ]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": [card(c, n) for n in c.model_names]})
 
-    async def dispatch(prepare: Callable, req: Any, request: Request) -> Response:
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        c = ctx.ready()
+        check_model(model_id, c.model_names)
+        return JSONResponse(card(c, model_id))
+
+    @app.post("/tokenize")
+    async def tokenize_route(req: TokenizeRequest, request: Request) -> Response:
+        rid = request.scope["state"]["request_id"]
+        return JSONResponse(await asyncio.to_thread(tokenize, req, ctx.ready(), rid))
+
+    @app.post("/detokenize")
+    async def detokenize_route(req: DetokenizeRequest, request: Request) -> Response:
+        rid = request.scope["state"]["request_id"]
+        return JSONResponse(await asyncio.to_thread(detokenize, req, ctx.ready(), rid))
+
+    async def start(prepare: Callable, req: Any, request: Request) -> Any:
+        """Check readiness, prepare the job in a thread (400s come from there), queue it."""
         if ctx.status == "draining":
             ctx.metrics.add("request_rejected")
         c = ctx.ready()
@@ -218,13 +253,17 @@ def create_app(
                 code="queue_full",
                 headers={"Retry-After": str(_retry_after(c))},
             ) from None
-        model = req.model or c.model_names[0]
+        return p
+
+    async def dispatch(prepare: Callable, req: Any, request: Request) -> Response:
+        p = await start(prepare, req, request)
+        model = req.model or ctx.model_names[0]
         if p.stream:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return StreamingResponse(
-                run_stream(p, c, model), media_type="text/event-stream", headers=headers
+                run_stream(p, ctx, model), media_type="text/event-stream", headers=headers
             )
-        return JSONResponse(await run_full(p, c, model, request.receive))
+        return JSONResponse(await run_full(p, ctx, model, request.receive))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
@@ -234,13 +273,51 @@ def create_app(
     async def completions(req: CompletionRequest, request: Request) -> Response:
         return await dispatch(prepare_completion, req, request)
 
+    # The other APIs agents speak: same engine job, their own wire (docs/API.md).
+    api_responses.register(app, ctx, start, ResponseStore())
+    api_messages.register(app, ctx, start)
+
     app = Gate(app, settings.api_keys, settings.max_body_bytes)  # type: ignore[assignment]
+    app = AnthropicErrors(app)  # type: ignore[assignment]
     if settings.cors_origins:
         app = CORSMiddleware(  # type: ignore[assignment]
             app, allow_origins=settings.cors_origins, allow_methods=["*"],
             allow_headers=["*"], expose_headers=["X-Request-Id"],
         )  # fmt: skip
     return app
+
+
+def _start_engine(engine: Any, ctx: Context) -> None:
+    """Print the architecture report, then warm the kernels up (/health says "warming up"
+    meanwhile); the report goes to the log, the warm-up's progress bar to stderr. An engine
+    without a memory plan or runner (a test double) skips them."""
+    from lily.runtime.arch_report import architecture_report, format_report
+
+    if hasattr(engine, "memory_plan"):
+        for line in format_report(architecture_report(engine)):
+            log.info("%s", line)
+    if ctx.settings.warmup and hasattr(engine, "runner"):
+        from lily.runtime.warmup import warm_up
+
+        if ctx.status == "loading":
+            ctx.status = "warming up"
+        warm_up(engine, log=lambda m: log.info("%s", m))
+        if ctx.status == "warming up":
+            ctx.status = "loading"  # attach makes it ready
+
+
+async def _end_after_drain(ctx: Context, timeout: float) -> None:
+    """Past the drain timeout, end the requests still there ourselves, before uvicorn
+    would cancel their tasks (which cut streams mid-chunk and answered queued requests
+    with a plain-text 500): queued ones get a 503, running ones are cancelled at their
+    next step and their handlers finish the response (an error event, then [DONE])."""
+    await asyncio.sleep(timeout)
+    if ctx.scheduler is not None:
+        running, waiting = ctx.scheduler.busy
+        if running or waiting:
+            log.warning("drain timeout: ending %d running and %d queued request(s)", running,
+                        waiting)  # fmt: skip
+        ctx.scheduler.stop()
 
 
 def _retry_after(ctx: Context) -> int:
@@ -278,6 +355,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-memory-mb", type=float, default=None,
                    help="most memory one request's KV cache and state may take; requests "
                    "that need more get 400 (default: what the GPU or host has free)")  # fmt: skip
+    p.add_argument("--thinking-budget", type=int, default=None,
+                   help="reasoning tokens after which </think> is forced, when a request "
+                   "sets no budget of its own (default: none; with a budget, thinking requests "
+                   "sample on the host each step)")  # fmt: skip
+    p.add_argument("--warmup", action="store_true",
+                   help="compile the kernels before reporting ready (default: off; the first "
+                   "request of each shape waits for its compiles)")  # fmt: skip
     p.add_argument(
         "--drain-timeout",
         type=float,
@@ -323,6 +407,9 @@ def settings_from_args(
         raise ValueError("--max-request-memory-mb: must be a positive number")
     if not (math.isfinite(args.drain_timeout) and args.drain_timeout >= 0):
         raise ValueError("--drain-timeout: must be >= 0 seconds")
+    budget = getattr(args, "thinking_budget", None)
+    if budget is not None and budget < 0:
+        raise ValueError("--thinking-budget: must be >= 0")
     return Settings(
         served_model_names=list(args.served_model_name or []),
         api_keys=list(dict.fromkeys(keys)),
@@ -335,6 +422,8 @@ def settings_from_args(
         max_prompt_tokens=args.max_prompt_tokens,
         max_request_memory=None if mem is None else int(mem * (1 << 20)),
         drain_timeout=args.drain_timeout,
+        thinking_budget=budget,
+        warmup=bool(getattr(args, "warmup", False)),
     )
 
 
@@ -346,10 +435,10 @@ def run_server(args: argparse.Namespace, load_engine: Callable[[], Any] | None =
 
     settings = settings_from_args(args)
     if load_engine is None:
-        from lily.cli import load_engine as cli_load_engine
+        from lily.engine_args import load_engine as load_from_args
 
         def load_engine() -> Any:
-            return cli_load_engine(args)
+            return load_from_args(args)
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_keys:
@@ -373,9 +462,17 @@ def run_server(args: argparse.Namespace, load_engine: Callable[[], Any] | None =
                          settings.drain_timeout)  # fmt: skip
             super().handle_exit(sig, frame)
 
+        async def shutdown(self, sockets: Any = None) -> None:
+            ender = asyncio.ensure_future(_end_after_drain(ctx, settings.drain_timeout))
+            try:
+                await super().shutdown(sockets)
+            finally:
+                ender.cancel()
+
     app = create_app(load_engine, settings, on_load_failure=stop_on_failure, ctx=ctx)
+    grace = settings.drain_timeout + _END_GRACE
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=settings.drain_timeout)  # fmt: skip
+                            timeout_graceful_shutdown=grace)  # fmt: skip
     server = _Server(config)
     if failed.is_set():
         return 1

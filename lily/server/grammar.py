@@ -1,8 +1,10 @@
 """Constrained decoding with llguidance: JSON schema / JSON object output and forced tool calls.
 
-A grammar is compiled per request and applied through the engine's ``logits_processor``
-hook: tokens the grammar cannot accept get -inf before sampling. When the prompt opened a
-``<think>`` block the constraint starts after the ``</think>`` token, so reasoning is free.
+A grammar is compiled per request and checked before the request is queued: one that
+llguidance rejects, or gives up on in a short probe walk (a regex too large to build, a
+schema whose recursion never ends), is a 400. One that fails later, while generating, raises
+``ConstraintFailed`` out of the decode loop, so the client sees an error and never a normal
+answer that breaks the constraint. ``Processor`` (lily/server/constraints.py) applies it.
 """
 
 from __future__ import annotations
@@ -24,9 +26,35 @@ except ImportError:  # pragma: no cover - reported as a 400 when a request needs
 # Compact but readable JSON, as the model writes it; no free whitespace, so a weak model
 # cannot wander off into blank space.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-# A string parameter value runs until the first "\n</parameter>", which ends the lexeme.
-_STRING_TOKEN = r"STRING_VALUE: /(?s:.*)\n<\/parameter>/ & ~/(?s:.*)<\/parameter>(?s:.+)/"
+# A string parameter value runs until the first "\n</parameter>", which ends the lexeme;
+# SPAN is "*" or a minLength/maxLength count.
+_STRING_LEXEME = r"/(?s:.SPAN)\n<\/parameter>/ & ~/(?s:.*)<\/parameter>(?s:.+)/"
+_STRING_TOKEN = "STRING_VALUE: " + _STRING_LEXEME.replace("SPAN", "*")
 _STRING_VALUE = "STRING_VALUE"
+# A bare number parameter: JSON's number with at most 16 digits either side of the point and
+# a two-digit exponent, so the value is always a finite double ("842e07588848" is valid JSON
+# but overflows every client's parser to infinity); a bare integer fits in 64 bits.
+_NUMBER_TOKENS = (
+    r"NUMBER_VALUE: /-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,16})?([eE][+-]?[0-9]{1,2})?/",
+    r"INTEGER_VALUE: /-?(0|[1-9][0-9]{0,17})/",
+)
+_NUMBER_KEYS = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+                "enum", "const", "anyOf", "oneOf", "allOf", "not", "$ref"}  # fmt: skip
+MAX_COUNTED = 4096  # longest minLength/maxLength of a raw string value the grammar counts
+PROBE_STEPS = 24  # tokens of the probe walk made before a request is queued
+
+
+class ConstraintFailed(ValueError):
+    """The grammar engine gave up while generating (a schema too large or recursive for it)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: the constraint could not be applied: {message}")
+        self.param = param
+
+
+def _short(error: str) -> str:
+    # llguidance appends a dump of its parser state; the first line says what went wrong.
+    return error.strip().split("\n", 1)[0][:300]
 
 
 class _Vocab:
@@ -46,6 +74,39 @@ class _Vocab:
         return self._encode(text)
 
 
+class Grammar:
+    """One request's matcher: fed the answer's tokens, it gives the mask of allowed ones."""
+
+    def __init__(self, matcher: Any, n_vocab: int, eos_ids: list[int], param: str) -> None:
+        self.matcher = matcher
+        self.n_vocab = n_vocab
+        self.param = param
+        self._eos = eos_ids
+        self._words = torch.empty((n_vocab + 31) // 32, dtype=torch.int32)
+        self._shifts = torch.arange(32, dtype=torch.int32)
+
+    def feed(self, ids: list[int]) -> None:
+        """Consume generated tokens; raises ConstraintFailed when the matcher gives up."""
+        m = self.matcher
+        if ids and not m.is_stopped():  # past the end (ignore_eos) there is nothing to match
+            m.consume_tokens(ids)
+        if m.is_error():
+            raise ConstraintFailed(self.param, _short(m.get_error()))
+
+    def mask(self) -> torch.Tensor:
+        """Bool (V,) of the tokens allowed now; EOS alone once the grammar is complete."""
+        m = self.matcher
+        if m.is_stopped():
+            allowed = torch.zeros(self.n_vocab, dtype=torch.bool)
+            allowed[self._eos] = True
+            return allowed
+        m.unsafe_compute_mask_ptr(self._words.data_ptr(), self._words.numel() * 4)
+        if m.is_error():
+            raise ConstraintFailed(self.param, _short(m.get_error()))
+        bits = (self._words.view(-1, 1) >> self._shifts) & 1
+        return bits.flatten()[: self.n_vocab].bool()
+
+
 class GrammarCompiler:
     """Builds matchers for one tokenizer; the llguidance tokenizer is made once per vocab size."""
 
@@ -62,17 +123,36 @@ class GrammarCompiler:
                 self._ll[n_vocab] = llg.LLTokenizer(wrapper, n_vocab=n_vocab, eos_token=eos)
             return self._ll[n_vocab]
 
-    def processor(self, grammar: str, n_vocab: int, after_think: bool, param: str) -> Processor:
-        """A logits processor for ``grammar``; a grammar llguidance rejects is a 400."""
+    def grammar(self, text: str, n_vocab: int, param: str) -> Grammar:
+        """A checked matcher for grammar ``text``: one llguidance rejects is a 400, and so is
+        one it gives up on within a short probe walk."""
         if llg is None:
             raise bad_request("constrained decoding needs the llguidance package", param)
-        matcher = llg.LLMatcher(self.ll_tokenizer(n_vocab), grammar, log_level=0)
+        matcher = llg.LLMatcher(self.ll_tokenizer(n_vocab), text, log_level=0)
         if matcher.is_error():
-            raise bad_request(
-                f"{param}: cannot compile the constraint: {matcher.get_error()}", param
-            )
-        think_end = self.tokenizer.think_end_id if after_think else None
-        return Processor(matcher, n_vocab, think_end, list(self.tokenizer.eos_token_ids))
+            raise bad_request(f"{param}: cannot compile the constraint: {matcher.get_error()}",
+                              param)  # fmt: skip
+        eos = list(self.tokenizer.eos_token_ids)
+        probe = Grammar(matcher.deep_copy(), n_vocab, eos, param)
+        try:
+            _probe_walk(probe, eos)
+        except ConstraintFailed as e:
+            raise bad_request(f"{e} (found while checking the request)", param) from None
+        return Grammar(matcher, n_vocab, eos, param)
+
+
+def _probe_walk(g: Grammar, eos: list[int]) -> None:
+    """Walk the grammar taking the first allowed token that is not EOS each step: llguidance
+    builds lexers and parser rows lazily, so what it cannot build (``(a{1000}){1000}``, a
+    required property that recurses forever) fails here within the first few tokens."""
+    banned = torch.zeros(g.n_vocab, dtype=torch.bool)
+    banned[eos] = True
+    for _ in range(PROBE_STEPS):
+        allowed = g.mask() & ~banned
+        nxt = allowed.nonzero()
+        if nxt.numel() == 0:
+            return
+        g.feed([int(nxt[0])])
 
 
 def _lark_json(schema: Any) -> str:
@@ -95,8 +175,22 @@ def json_grammar(schema: Any, after_think: bool) -> str:
     return llg.LLMatcher.grammar_from_lark(_wrap(_lark_json(schema), after_think))
 
 
-def _value_rule(schema: Any) -> str:
-    """The rule body for one parameter's value, in the XML form."""
+def _string_rule(schema: dict[str, Any], name: str, rules: list[str]) -> str:
+    """A raw string value; ``minLength``/``maxLength`` (up to MAX_COUNTED) become a lexeme of
+    its own named ``name``."""
+    lo, hi = schema.get("minLength"), schema.get("maxLength")
+    lo = lo if isinstance(lo, int) and 0 < lo <= MAX_COUNTED else 0
+    hi = hi if isinstance(hi, int) and lo <= hi <= MAX_COUNTED else None
+    if not lo and hi is None:
+        return _STRING_VALUE
+    span = "{" + f"{lo},{'' if hi is None else hi}" + "}"
+    rules.append(f"{name}: " + _STRING_LEXEME.replace("SPAN", span))
+    return name
+
+
+def _value_rule(schema: Any, name: str, rules: list[str]) -> str:
+    """The rule body for one parameter's value, in the XML form (``name``: for a lexeme of
+    its own, added to ``rules``)."""
     if not isinstance(schema, dict):
         return _STRING_VALUE
     t = schema.get("type")
@@ -104,15 +198,21 @@ def _value_rule(schema: Any) -> str:
         alts = " | ".join(json.dumps(v + "\n</parameter>") for v in schema["enum"])
         return f"({alts})"
     if t == "string" or (t is None and not schema.get("enum")):
-        return _STRING_VALUE
-    # Numbers, booleans, null, objects and arrays are written as JSON text.
+        return _string_rule(schema, name, rules)
+    if t in ("number", "integer") and not _NUMBER_KEYS & schema.keys():
+        return f'{t.upper()}_VALUE "\\n</parameter>"'
+    # The rest (bounded numbers, booleans, null, objects, arrays) are written as JSON text.
     return _lark_json({**schema, "x-guidance": JSON_OPTIONS}) + ' "\\n</parameter>"'
 
 
-def tool_grammar(tools: list[dict[str, Any]], name: str | None, after_think: bool) -> str:
-    """Grammar forcing one or more tool calls (``name``: exactly one call of that function).
+def tool_grammar(
+    tools: list[dict[str, Any]], name: str | None, after_think: bool, parallel: bool = True
+) -> str:
+    """Grammar forcing tool calls: ``name`` gives exactly one call of that function, else one
+    or more calls of any (exactly one when not ``parallel``).
 
-    Required parameters come in schema order; optional ones may be left out.
+    Required parameters come in schema order; optional ones may be left out. Each value is
+    held to its schema's type (strings as raw text, the rest as JSON).
     """
     if llg is None:
         raise bad_request("constrained decoding needs the llguidance package", "tool_choice")
@@ -130,64 +230,20 @@ def tool_grammar(tools: list[dict[str, Any]], name: str | None, after_think: boo
             if "\n" in pname or ">" in pname:
                 raise bad_request(f"tools: parameter name {pname!r} is not usable", "tools")
             head = json.dumps(f"<parameter={pname}>\n")
-            rules.append(f'p{k}_{j}: {head} {_value_rule(pschema)} "\\n"')
+            value = _value_rule(pschema, f"STRING_{k}_{j}", rules)
+            rules.append(f'p{k}_{j}: {head} {value} "\\n"')
             parts.append(f"p{k}_{j}" + ("" if pname in required else "?"))
         head = json.dumps(f"<function={fn['name']}>\n")
         rules.append(f'f{k}: {head} {" ".join(parts)} "</function>"')
         fn_alts.append(f"f{k}")
     if not fn_alts:
         raise bad_request(f"tool_choice: function {name!r} is not in tools", "tool_choice")
-    calls = "call" if name is not None else 'call ("\\n" call)*'
+    calls = "call" if name is not None or not parallel else 'call ("\\n" call)*'
     lines = [
         ("start: /\\n{0,2}/ " if after_think else "start: ") + calls,
         'call: "<tool_call>\\n" (' + " | ".join(fn_alts) + ') "\\n</tool_call>"',
         *rules,
         _STRING_TOKEN,
+        *_NUMBER_TOKENS,
     ]
     return llg.LLMatcher.grammar_from_lark("\n".join(lines) + "\n")
-
-
-class Processor:
-    """``logits_processor(generated_ids, logits)`` masking what the grammar forbids."""
-
-    def __init__(
-        self, matcher: Any, n_vocab: int, think_end: int | None, eos_ids: list[int]
-    ) -> None:
-        self.matcher = matcher
-        self._eos = eos_ids
-        self.n_vocab = n_vocab
-        self._think_end = think_end
-        self._start: int | None = 0 if think_end is None else None
-        self._fed = 0
-        self._words = torch.empty((n_vocab + 31) // 32, dtype=torch.int32)
-        self._shifts = torch.arange(32, dtype=torch.int32)
-
-    def __call__(self, generated: list[int], logits: torch.Tensor) -> torch.Tensor:
-        if self._start is None:
-            # Still thinking: wait for the end of the think block.
-            for i in range(self._fed, len(generated)):
-                if generated[i] == self._think_end:
-                    self._start = self._fed = i + 1
-                    break
-            else:
-                self._fed = len(generated)
-                return logits
-        new = generated[self._fed :]
-        if new:
-            self.matcher.consume_tokens(new)
-            self._fed = len(generated)
-        allowed = self.mask()
-        if logits.shape[-1] != allowed.shape[0]:
-            raise ValueError(f"logits have {logits.shape[-1]} entries, grammar {self.n_vocab}")
-        return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
-
-    def mask(self) -> torch.Tensor:
-        """Bool (V,) of allowed tokens now; EOS alone once the grammar is complete or broken."""
-        m = self.matcher
-        if m.is_error():
-            allowed = torch.zeros(self.n_vocab, dtype=torch.bool)
-            allowed[self._eos] = True  # never leave the sampler with nothing to pick
-            return allowed
-        m.unsafe_compute_mask_ptr(self._words.data_ptr(), self._words.numel() * 4)
-        bits = (self._words.view(-1, 1) >> self._shifts) & 1
-        return bits.flatten()[: self.n_vocab].bool()

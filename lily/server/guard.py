@@ -9,6 +9,7 @@ than ``MAX_JSON_DEPTH`` is a 400 before any model code sees it.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
@@ -24,6 +25,8 @@ from lily.server.protocol import ApiError
 # JSON schemas and tool arguments nest a few levels; hundreds only serve to exhaust the
 # recursion of every later walker (pydantic, Jinja's tojson, llguidance).
 MAX_JSON_DEPTH = 64
+GUARDED = ("/v1", "/tokenize", "/detokenize")  # paths behind the API key and body checks
+_PARSE_IN_THREAD = 1 << 20  # bytes
 _ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:/+=")
 
 
@@ -95,7 +98,8 @@ def _key_digest(key: bytes) -> bytes:
 
 
 class Gate:
-    """Echo ``X-Request-Id``; check API keys on /v1/*; cap and strictly parse POST bodies."""
+    """Echo ``X-Request-Id``; check API keys (Bearer or x-api-key) on /v1/* and the tokenizer
+    endpoints; cap and strictly parse their POST bodies."""
 
     def __init__(self, app: ASGIApp, keys: list[str], max_body_bytes: int) -> None:
         self.app = app
@@ -112,6 +116,12 @@ class Gate:
             ok |= hmac.compare_digest(got, d)
         return ok and scheme.lower() == b"bearer"
 
+    def _any_key(self, headers: dict[bytes, bytes]) -> bool:
+        # The Anthropic API sends its key as x-api-key; either header may carry it.
+        if self.authorized(headers.get(b"authorization", b"")):
+            return True
+        return b"x-api-key" in headers and self.authorized(b"Bearer " + headers[b"x-api-key"])
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
@@ -126,10 +136,10 @@ class Gate:
             await send(message)
 
         path = scope.get("path", "")
-        guarded = path.startswith("/v1") and scope.get("method") != "OPTIONS"
-        if guarded and self.digests and not self.authorized(headers.get(b"authorization", b"")):
-            e = ApiError(401, "Invalid or missing API key (send 'Authorization: Bearer KEY')",
-                         type="authentication_error", code="invalid_api_key",
+        guarded = path.startswith(GUARDED) and scope.get("method") != "OPTIONS"
+        if guarded and self.digests and not self._any_key(headers):
+            msg = "Invalid or missing API key (send 'Authorization: Bearer KEY' or 'x-api-key')"
+            e = ApiError(401, msg, type="authentication_error", code="invalid_api_key",
                          headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
             await _respond(e, scope, receive, send_with_id)
             return
@@ -138,7 +148,10 @@ class Gate:
             return
         try:
             body = await self._read_body(headers, receive)
-            strict_loads(body)
+            if len(body) > _PARSE_IN_THREAD:  # tens of ms per MiB: not on the event loop
+                await asyncio.to_thread(strict_loads, body)
+            else:
+                strict_loads(body)
         except ApiError as e:
             await _respond(e, scope, receive, send_with_id)
             return

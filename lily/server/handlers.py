@@ -19,8 +19,9 @@ from jinja2.exceptions import SecurityError, TemplateNotFound
 
 from lily.runtime.engine import ContextLengthError
 from lily.runtime.sampling import SamplingParams
-from lily.server.grammar import json_grammar, tool_grammar
-from lily.server.limits import check_lengths
+from lily.server.constraints import DecodeSpec, build_processor, parse_logit_bias
+from lily.server.grammar import ConstraintFailed
+from lily.server.limits import check_lengths, prompt_limit, too_long
 from lily.server.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -28,13 +29,15 @@ from lily.server.protocol import (
     NamedToolChoice,
     SamplingFields,
     bad_request,
+    check_model,
     check_request,
+    response_schema,
     usage_dict,
 )
 from lily.server.reasoning import prompt_opens_thinking
 from lily.server.responses import ChatOutput, ChunkMaker, LogprobFormatter, chat_delta_json
 from lily.server.serving import Job, events, log_error
-from lily.tokenizer import ChatTemplateError
+from lily.tokenizer import ChatTemplateError, PromptTooLong
 
 log = logging.getLogger("lily.server")
 
@@ -54,6 +57,7 @@ class Prepared:
     tools: list[dict[str, Any]] | None = None  # parse tool calls against these
     logprobs: bool = False
     echo: str = ""
+    parallel_tool_calls: bool = True
 
 
 def _sampling(req: SamplingFields, ctx: Any, n_prompt: int, max_tokens: int | None) -> Any:
@@ -67,6 +71,10 @@ def _sampling(req: SamplingFields, ctx: Any, n_prompt: int, max_tokens: int | No
     else:
         lp = req.logprobs
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    bad = [i for i in req.stop_token_ids or () if not 0 <= i < ctx.vocab_size]
+    if bad:  # as for prompt token ids: an id the model has no row for is the client's error
+        raise bad_request(f"stop_token_ids: token ids must be in [0, {ctx.vocab_size}), "
+                          f"got {bad[0]}", "stop_token_ids")  # fmt: skip
     try:
         params = SamplingParams(
             **kw,
@@ -88,44 +96,56 @@ def _prompt_param(req: SamplingFields) -> str:
     return "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
 
 
-def _check_model(req: SamplingFields, ctx: Any) -> None:
-    if req.model is not None and req.model not in ctx.model_names:
-        raise ApiError(
-            404,
-            f"The model `{req.model}` does not exist.",
-            type="NotFoundError",
-            param="model",
-            code="model_not_found",
-        )
-
-
-def prepare_chat(req: ChatCompletionRequest, ctx: Any, request_id: str) -> Prepared:
-    """Render the prompt, build sampling parameters and the constraint. Runs in a thread."""
-    check_request(req)
-    _check_model(req, ctx)
-    engine = ctx.engine
-    kwargs = {**ctx.default_template_kwargs, **(req.chat_template_kwargs or {})}
+def render_chat(
+    ctx: Any,
+    messages_in: list[Any],
+    tools: list[dict[str, Any]] | None,
+    template_kwargs: dict[str, Any] | None,
+    request_id: str,
+    add_generation_prompt: bool = True,
+) -> tuple[str, list[int], Any]:
+    """The prompt text of chat messages, its token ids (special-token text in the messages
+    stays text) and the ``enable_thinking`` it was rendered with."""
+    kwargs = {**ctx.default_template_kwargs, **(template_kwargs or {})}
     enable_thinking = kwargs.pop("enable_thinking", True)
     for reserved in ("messages", "tools", "add_generation_prompt"):
         kwargs.pop(reserved, None)
     messages = []
-    for m in req.messages:
+    for m in messages_in:
         d = m.model_dump(exclude_none=True)
         if d["role"] == "developer":
             d["role"] = "system"
         messages.append(d)
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     try:
-        prompt = engine.tokenizer.apply_chat_template(
-            messages, tools=tools, enable_thinking=bool(enable_thinking), **kwargs
-        )
+        prompt, ids = ctx.engine.tokenizer.render_chat(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt,
+            enable_thinking=bool(enable_thinking), max_tokens=prompt_limit(ctx), **kwargs,
+        )  # fmt: skip
+    except PromptTooLong as e:
+        raise too_long(ctx, e, "messages") from None
     except ChatTemplateError as e:
         if template_at_fault(e):
             log.error("request %s: the chat template failed: %s", request_id, e)
             raise ApiError(500, f"the server's chat template failed: {e}", type="server_error",
                            code="chat_template_error") from None  # fmt: skip
         raise bad_request(str(e), "messages") from None
-    ids = engine.tokenizer.encode(prompt)
+    return prompt, ids, enable_thinking
+
+
+def prepare_chat(
+    req: ChatCompletionRequest, ctx: Any, request_id: str, thinking_budget: int | None = None
+) -> Prepared:
+    """Render the prompt, build sampling parameters and the decoding controls (tools,
+    response format, reasoning budget, logit_bias). Runs in a thread.
+
+    ``thinking_budget``, when given, overrides the request's own field (the other APIs map
+    their budget onto it)."""
+    check_request(req)
+    check_model(req.model, ctx.model_names)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    prompt, ids, enable_thinking = render_chat(
+        ctx, req.messages, tools, req.chat_template_kwargs, request_id
+    )
     max_tokens = req.max_completion_tokens or req.max_tokens
     params = _sampling(req, ctx, len(ids), max_tokens)
 
@@ -133,21 +153,22 @@ def prepare_chat(req: ChatCompletionRequest, ctx: Any, request_id: str) -> Prepa
         mode = "reasoning"
     else:
         mode = "content" if enable_thinking is False else "detect"
-    after_think = mode == "reasoning"
-    grammar = None
     choice = req.tool_choice
-    if tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
-        name = choice.function.name if isinstance(choice, NamedToolChoice) else None
-        grammar, param = tool_grammar(tools, name, after_think), "tool_choice"
-    elif req.response_format is not None and req.response_format.type != "text":
-        rf = req.response_format
-        schema: Any = {"type": "object"}
-        if rf.type == "json_schema":
-            schema = rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {}
-        grammar, param = json_grammar(schema, after_think), "response_format"
-    processor = None
-    if grammar is not None:
-        processor = ctx.grammars.processor(grammar, ctx.vocab_size, after_think, param)
+    named = isinstance(choice, NamedToolChoice)
+    parallel = req.parallel_tool_calls is not False
+    spec = DecodeSpec(
+        tools=tools,
+        tool_choice="required" if named else (choice or "auto"),
+        tool_name=choice.function.name if named else None,
+        json_schema=response_schema(req.response_format),
+        parallel_tool_calls=parallel,
+        thinking_budget=req.reasoning_budget if thinking_budget is None else thinking_budget,
+        logit_bias=parse_logit_bias(req.logit_bias, ctx.vocab_size),
+    )
+    processor = build_processor(
+        ctx, spec, after_think=mode == "reasoning", max_new=_max_new(ctx, params, len(ids)),
+        stop_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
+    )  # fmt: skip
     if ctx.log_requests:
         log.info("request %s prompt: %r", request_id, prompt)
     return Prepared(
@@ -158,7 +179,13 @@ def prepare_chat(req: ChatCompletionRequest, ctx: Any, request_id: str) -> Prepa
         reasoning_mode=mode,
         tools=tools if tools and choice != "none" else None,
         logprobs=bool(req.logprobs),
+        parallel_tool_calls=parallel,
     )
+
+
+def _max_new(ctx: Any, params: SamplingParams, n_prompt: int) -> int:
+    """Tokens the job may generate: max_tokens, else the rest of the context."""
+    return params.max_tokens if params.max_tokens is not None else ctx.engine.max_context - n_prompt
 
 
 def template_at_fault(e: ChatTemplateError) -> bool:
@@ -174,14 +201,17 @@ def template_at_fault(e: ChatTemplateError) -> bool:
 def prepare_completion(req: CompletionRequest, ctx: Any, request_id: str) -> Prepared:
     """Tokenize the prompt (text or ids) and build sampling parameters. Runs in a thread."""
     check_request(req)
-    _check_model(req, ctx)
+    check_model(req.model, ctx.model_names)
     p = req.prompt
     if isinstance(p, list) and p and isinstance(p[0], str | list):
         if len(p) != 1:
             raise bad_request("prompt: only one prompt per request is supported", "prompt")
         p = p[0]
     if isinstance(p, str):
-        text, ids = p, ctx.engine.tokenizer.encode(p)
+        try:
+            text, ids = p, ctx.engine.tokenizer.encode(p, max_tokens=prompt_limit(ctx))
+        except PromptTooLong as e:
+            raise too_long(ctx, e, "prompt") from None
     else:
         ids = list(p)
         if any(not isinstance(i, int) or not 0 <= i < ctx.vocab_size for i in ids):
@@ -190,14 +220,12 @@ def prepare_completion(req: CompletionRequest, ctx: Any, request_id: str) -> Pre
     if not ids:
         raise bad_request("prompt: the prompt is empty", "prompt")
     params = _sampling(req, ctx, len(ids), req.max_tokens)
-    processor = None
-    if req.response_format is not None and req.response_format.type != "text":
-        rf = req.response_format
-        schema: Any = {"type": "object"}
-        if rf.type == "json_schema":
-            schema = rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {}
-        grammar = json_grammar(schema, False)
-        processor = ctx.grammars.processor(grammar, ctx.vocab_size, False, "response_format")
+    spec = DecodeSpec(json_schema=response_schema(req.response_format),
+                      logit_bias=parse_logit_bias(req.logit_bias, ctx.vocab_size))  # fmt: skip
+    processor = build_processor(
+        ctx, spec, after_think=False, max_new=_max_new(ctx, params, len(ids)),
+        stop_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
+    )  # fmt: skip
     if ctx.log_requests:
         log.info("request %s prompt: %r", request_id, text)
     return Prepared(
@@ -217,6 +245,11 @@ def _usage(usage: Any, reasoning_tokens: int) -> dict[str, Any]:
 
 
 def engine_error(e: BaseException) -> ApiError:
+    """The client's view of a job that failed in the engine."""
+    if isinstance(e, ConstraintFailed):
+        # The request's schema was more than the grammar engine could follow: retrying
+        # will not help (so not a 5xx), and no answer breaking the constraint is sent.
+        return ApiError(400, str(e), param=e.param, code="constraint_failed")
     if isinstance(e, ContextLengthError):
         return ApiError(400, str(e), param="messages", code="context_length_exceeded")
     if isinstance(e, torch.OutOfMemoryError):
@@ -226,14 +259,25 @@ def engine_error(e: BaseException) -> ApiError:
     return ApiError(500, f"engine error: {type(e).__name__}: {e}", type="server_error")
 
 
-def _cancelled() -> ApiError:
+def cancelled_error() -> ApiError:
     # Seen only by a client still there: the server dropped its queued request on shutdown.
     msg = "the request was cancelled: the server is shutting down"
     return ApiError(503, msg, type="server_error", code="cancelled", headers={"Retry-After": "5"})
 
 
+# Characters JSON may leave raw but str.splitlines() (and clients built on it) takes for line
+# ends, which would cut an SSE event in two: sent as \u escapes (the same JSON).
+_LINE_BREAKS = {c: f"\\u{c:04x}" for c in (0x85, 0x2028, 0x2029)}
+
+
 def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
+
+
+def _chat_output(p: Prepared, ctx: Any) -> ChatOutput:
+    tok = ctx.engine.tokenizer
+    return ChatOutput(tok, p.reasoning_mode, p.tools, p.logprobs, set(tok.eos_token_ids),
+                      p.parallel_tool_calls)  # fmt: skip
 
 
 async def run_stream(p: Prepared, ctx: Any, model: str) -> AsyncIterator[str]:
@@ -255,8 +299,7 @@ async def run_stream(p: Prepared, ctx: Any, model: str) -> AsyncIterator[str]:
 async def _stream_body(p: Prepared, ctx: Any, model: str) -> AsyncIterator[str]:
     maker = ChunkMaker(p.kind, model, p.include_usage)
     job = p.job
-    eos = set(ctx.engine.tokenizer.eos_token_ids)
-    out = ChatOutput(ctx.engine.tokenizer, p.reasoning_mode, p.tools, p.logprobs, eos)
+    out = _chat_output(p, ctx)
     fmt = LogprobFormatter(ctx.engine.tokenizer)
     reason = None
     try:
@@ -268,7 +311,7 @@ async def _stream_body(p: Prepared, ctx: Any, model: str) -> AsyncIterator[str]:
             if kind == "keepalive":
                 yield ": keep-alive\n\n"
             elif kind == "cancelled":
-                yield _sse(_cancelled().body())
+                yield _sse(cancelled_error().body())
                 break
             elif kind == "error":
                 yield _sse(engine_error(value).body())
@@ -288,9 +331,13 @@ async def _stream_body(p: Prepared, ctx: Any, model: str) -> AsyncIterator[str]:
                         lp = {"tokens": [t], "token_logprobs": [v], "top_logprobs": [top],
                               "text_offset": [0]}  # fmt: skip
                     yield _sse(maker.chunk(text=value.text, logprobs=lp))
+            elif kind == "done" and reason == "cancelled":
+                # Only the server cancels a request whose client is still reading: it is
+                # shutting down (a client that left reads nothing).
+                yield _sse(cancelled_error().body())
             elif kind == "done":
                 if p.kind == "chat":
-                    d = out.finish()
+                    d = out.finish(reason)
                     lp = {"content": d.logprobs} if p.logprobs and d.logprobs else None
                     for wire in chat_delta_json(d) or ([{}] if lp else []):
                         yield _sse(maker.chunk(wire, logprobs=lp))
@@ -316,7 +363,7 @@ async def run_full(p: Prepared, ctx: Any, model: str, receive: Callable) -> dict
     """
     job = p.job
     eos = set(ctx.engine.tokenizer.eos_token_ids)
-    out = ChatOutput(ctx.engine.tokenizer, p.reasoning_mode, p.tools, p.logprobs, eos)
+    out = _chat_output(p, ctx)
     fmt = LogprobFormatter(ctx.engine.tokenizer)
     text, reason, usage = "", None, None
     lps: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
@@ -334,7 +381,7 @@ async def run_full(p: Prepared, ctx: Any, model: str, receive: Callable) -> dict
             if kind == "error":
                 raise engine_error(value)
             if kind == "cancelled":
-                raise _cancelled()
+                raise cancelled_error()
             if kind == "step":
                 reason = value.finish_reason
                 if p.kind == "chat":
@@ -354,13 +401,15 @@ async def run_full(p: Prepared, ctx: Any, model: str, receive: Callable) -> dict
                     lps["top_logprobs"].append(top)
                 text += value.text
             elif kind == "done":
+                if reason == "cancelled":  # the server is shutting down (see run_stream)
+                    raise cancelled_error()
                 usage = value
     finally:
         watcher.cancel()
         ctx.scheduler.cancel(job)
     maker = ChunkMaker(p.kind, model, False)
     if p.kind == "chat":
-        out.finish()
+        out.finish(reason)
         choice = {
             "index": 0,
             "message": out.message(),

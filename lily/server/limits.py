@@ -4,10 +4,11 @@ A request whose KV cache and state would not fit in memory is refused before it 
 
 A request that runs out of device memory halfway wastes the work done and, on a CPU host,
 invites the kernel's OOM killer, which takes the whole server down. So each request's
-memory is estimated from the model config before it is queued: K/V caches grow by doubling
-(lily/runtime/state.py), the DeltaNet states are fixed, and a prefill chunk needs
-activations. It is compared with what is free: on a GPU, free device memory plus what
-PyTorch holds in reserve plus the working state (reused by the next request), less what
+memory is estimated before it is queued, by the runtime's memory plan
+(lily/runtime/memory_plan.py: K/V caches grow in steps, the DeltaNet states are fixed, and
+a prefill chunk needs activations). It is compared with what is free: on a GPU, free
+device memory plus what PyTorch holds in reserve plus the working state (reused by the
+next request), less what
 the prefix cache may take meanwhile (a copy of that state and a few snapshots, within its
 budget) and a margin; on a CPU, MemAvailable from /proc/meminfo likewise.
 ``--max-request-memory-mb`` caps it further (the only limit where neither reading works).
@@ -18,82 +19,41 @@ caught as an engine error (serving.py, a 503), not a crash.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from lily.encoding import PromptTooLong
 from lily.runtime.engine import ContextLengthError
+from lily.runtime.memory_plan import (
+    MARGIN,
+    SNAPSHOTS,
+    RequestEstimate,
+    meminfo_available,
+    request_estimate,
+    request_kv_capacity,
+)
 from lily.server.protocol import ApiError, bad_request
 
 MiB = 1 << 20
-_SAFETY = 256 * MiB  # allocator fragmentation, CUDA graphs, sampler and grammar buffers
-_SCORE_ELEMS = 1 << 26  # the reference attention's score block (lily/model/attention.py)
-_FIRST_CAPACITY = 256  # SessionState.new's initial KV capacity
-_SNAPSHOTS = 8  # turn-start snapshots one request is assumed to save
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """Bytes one request needs, by part."""
-
-    kv: int  # K/V caches at their final capacity
-    kv_growth: int  # the old buffer held while one layer's cache doubles
-    recurrent: int  # DeltaNet conv and recurrent states
-    workspace: int  # activations of one prefill chunk
-
-    @property
-    def total(self) -> int:
-        return self.kv + self.kv_growth + self.recurrent + self.workspace
+_SAFETY = MARGIN  # allocator fragmentation, CUDA graphs, sampler and grammar buffers
+Estimate = RequestEstimate
 
 
 def kv_capacity(n_prompt: int, n_total: int, chunk: int, limit: int) -> int:
-    """The K/V capacity a fresh state reaches for ``n_total`` tokens (as KVCache.ensure)."""
-    cap = min(_FIRST_CAPACITY, limit)
-    ends = [*range(min(chunk, n_prompt), n_prompt, chunk), n_prompt]
-    for end in ends:
-        if end > cap:
-            cap = min(max(end, 2 * cap), limit)
-    while cap < n_total:  # decode: one token at a time, so plain doubling
-        cap = min(2 * cap, limit)
-    return cap
+    """The K/V capacity a fresh state reaches for ``n_total`` tokens (the runtime's policy;
+    ``chunk`` no longer matters: the engine reserves the whole prompt at once)."""
+    return request_kv_capacity(n_prompt, n_total, limit)
 
 
 def estimate(cfg: Any, dtype: torch.dtype, n_prompt: int, n_total: int, chunk: int,
              limit: int, kernels: bool) -> Estimate:  # fmt: skip
-    """What a request of ``n_prompt`` prompt tokens growing to ``n_total`` needs."""
-    es = torch.empty((), dtype=dtype).element_size()
-    cap = kv_capacity(n_prompt, n_total, chunk, limit)
-    per_pos = 2 * cfg.num_key_value_heads * cfg.head_dim * es  # K and V, one layer
-    n_attn = len(cfg.attn_layers)
-    kv = per_pos * cap * n_attn
-    # NOTE: growing one layer's cache briefly holds the old and the new buffer.
-    growth = per_pos * (cap // 2)
-    conv = (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * es
-    rec = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-    recurrent = (conv + rec) * len(cfg.linear_layers)
-    t = min(chunk, n_prompt)
-    widths = (
-        4 * cfg.hidden_size  # residual, normed input, mixer and MoE outputs
-        + 2 * cfg.conv_dim  # DeltaNet projections before and after the conv
-        + 2 * cfg.num_attention_heads * cfg.head_dim  # gated queries
-        + 3 * cfg.num_experts_per_tok * cfg.moe_intermediate_size  # routed gate/up/act
-    )
-    workspace = t * widths * 4 + 2 * cfg.vocab_size * 4  # and the last token's fp32 logits
-    if not kernels:  # the reference attention materializes a bounded fp32 score block
-        workspace += 2 * min(_SCORE_ELEMS, cfg.num_attention_heads * t * n_total) * 4
-    return Estimate(kv=kv, kv_growth=growth, recurrent=recurrent, workspace=workspace)
+    """What a request of ``n_prompt`` prompt tokens growing to ``n_total`` needs (asked of
+    the runtime's memory plan)."""
+    return request_estimate(cfg, dtype, n_prompt, n_total, chunk, limit, kernels)
 
 
-def _meminfo_available() -> int | None:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+_meminfo_available = meminfo_available
 
 
 def _device_free(device: str) -> int | None:
@@ -130,7 +90,7 @@ class MemoryGuard:
             # snapshots at turn starts, as far as its budget lets it grow.
             cache = e.prefix_cache
             room = max(0, cache.budget - _nbytes(cache.nbytes))
-            growth = min(room, reusable + _SNAPSHOTS * self.need(1, 1).recurrent)
+            growth = min(room, reusable + SNAPSHOTS * self.need(1, 1).recurrent)
             free = max(0, free + reusable - growth - _SAFETY)
         if self.limit is not None:
             free = self.limit if free is None else min(free, self.limit)
@@ -164,6 +124,29 @@ def _nbytes(fn: Callable[[], int]) -> int:
         return int(fn())
     except Exception:  # noqa: BLE001 - a racing dict change; treat as nothing reusable
         return 0
+
+
+def prompt_limit(ctx: Any) -> int:
+    """The most tokens a prompt may have: --max-prompt-tokens, and one less than the
+    context window (a token must be left to generate)."""
+    cap = ctx.engine.max_context - 1
+    return min(cap, ctx.settings.max_prompt_tokens or cap)
+
+
+def too_long(ctx: Any, e: PromptTooLong, prompt_param: str) -> ApiError:
+    """The 400 for a prompt found over ``prompt_limit`` before it was fully tokenized."""
+    cap = ctx.settings.max_prompt_tokens
+    if cap and e.limit == cap:
+        what = f"This server's maximum prompt length is {cap} tokens"
+    else:
+        what = f"This model's maximum context length is {ctx.engine.max_context} tokens"
+    return ApiError(
+        400,
+        f"{what}. However, your prompt has at least {e.at_least} tokens. Please reduce the "
+        f"length of the {prompt_param}.",
+        param=prompt_param,
+        code="context_length_exceeded",
+    )
 
 
 def check_lengths(ctx: Any, n_prompt: int, max_tokens: int | None, prompt_param: str) -> int | None:

@@ -6,12 +6,18 @@ Unknown request fields are accepted and ignored: agents send ``user``, ``store``
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+try:
+    import jsonschema
+except ImportError:  # pragma: no cover - a dependency; without it schemas go unchecked
+    jsonschema = None
 
-class _Lenient(BaseModel):
+
+class Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
@@ -46,18 +52,25 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return ApiError(400, message, param=param, code=code)
 
 
-class FunctionCall(_Lenient):
+def check_model(name: str | None, served: list[str]) -> None:
+    """A 404 as OpenAI sends it for a model this server does not serve (None: the default)."""
+    if name is not None and name not in served:
+        raise ApiError(404, f"The model `{name}` does not exist.", param="model",
+                       code="model_not_found")  # fmt: skip
+
+
+class FunctionCall(Lenient):
     name: str
     arguments: str | dict[str, Any] = ""
 
 
-class ToolCallIn(_Lenient):
+class ToolCallIn(Lenient):
     id: str | None = None
     type: str = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -67,35 +80,35 @@ class ChatMessage(_Lenient):
     reasoning: str | None = None
 
 
-class FunctionDef(_Lenient):
+class FunctionDef(Lenient):
     name: str = Field(min_length=1, max_length=256)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(_Lenient):
+class Tool(Lenient):
     type: Literal["function"] = "function"
     function: FunctionDef
 
 
-class NamedToolChoiceFunction(_Lenient):
+class NamedToolChoiceFunction(Lenient):
     name: str
 
 
-class NamedToolChoice(_Lenient):
+class NamedToolChoice(Lenient):
     type: Literal["function"] = "function"
     function: NamedToolChoiceFunction
 
 
-class JsonSchemaSpec(_Lenient):
+class JsonSchemaSpec(Lenient):
     name: str | None = None
     schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
     strict: bool | None = None
     description: str | None = None
 
 
-class ResponseFormat(_Lenient):
+class ResponseFormat(Lenient):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaSpec | None = None
 
@@ -106,12 +119,21 @@ class ResponseFormat(_Lenient):
         return self
 
 
-class StreamOptions(_Lenient):
+def response_schema(rf: ResponseFormat | None) -> Any:
+    """The JSON schema a response format asks for; None for free text."""
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return {"type": "object"}
+    return rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {}
+
+
+class StreamOptions(Lenient):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
 
 
-class SamplingFields(_Lenient):
+class SamplingFields(Lenient):
     """Fields shared by chat and completions."""
 
     model: str | None = None
@@ -132,6 +154,8 @@ class SamplingFields(_Lenient):
     ignore_eos: bool | None = False
     n: int | None = 1
     response_format: ResponseFormat | None = None
+    # token id (a decimal string, as JSON keys are) -> bias; checked against the vocabulary
+    logit_bias: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -144,6 +168,16 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
+    # Reasoning tokens before </think> is forced (two names in use; None: the server's)
+    thinking_budget: int | None = Field(default=None, ge=0)
+    max_thinking_tokens: int | None = Field(default=None, ge=0)
+
+    @property
+    def reasoning_budget(self) -> int | None:
+        """The request's reasoning budget, under whichever name it came."""
+        if self.thinking_budget is not None:
+            return self.thinking_budget
+        return self.max_thinking_tokens
 
 
 class CompletionRequest(SamplingFields):
@@ -154,12 +188,38 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
 
 
+class TokenizeRequest(Lenient):
+    """vLLM's ``/tokenize``: a ``prompt``, or ``messages`` rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = True  # accepted; this tokenizer adds no special tokens
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(Lenient):
+    model: str | None = None
+    tokens: list[int]
+
+
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 1024  # characters per stop string
 MAX_STOP_TOKEN_IDS = 256
 
 
-def _check_content(messages: list[ChatMessage]) -> None:
+def check_content(messages: list[ChatMessage]) -> None:
     """Only text parts: this is a text-only model, and an image must not be read as text."""
     for i, m in enumerate(messages):
         if not isinstance(m.content, list):
@@ -183,6 +243,34 @@ def _check_content(messages: list[ChatMessage]) -> None:
                 )
 
 
+def check_schema(schema: Any, where: str, param: str) -> None:
+    """A 400 unless ``schema`` is a valid JSON Schema (checked against its metaschema,
+    draft 2020-12 unless it names another in ``$schema``)."""
+    if jsonschema is None or isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise bad_request(f"{where}: a JSON schema must be an object", param)
+    default = jsonschema.Draft202012Validator
+    with warnings.catch_warnings():  # an unknown "$schema" falls back to the default
+        warnings.simplefilter("ignore")
+        cls = jsonschema.validators.validator_for(schema, default=default)
+    # NOTE: no format checks: "pattern" is an ECMA-262 regex (\p{L} and friends) that
+    # Python's re would wrongly refuse; the grammar engine compiles the ones it uses.
+    err = jsonschema.exceptions.best_match(cls(cls.META_SCHEMA).iter_errors(schema))
+    if err is not None:
+        at = "".join(f"[{p!r}]" for p in err.absolute_path)
+        raise bad_request(f"{where}: invalid JSON schema: {err.message[:300]}"
+                          + (f" (at {at})" if at else ""), param)  # fmt: skip
+
+
+def check_tools(tools: list[Tool] | None) -> None:
+    """Each tool's ``parameters`` must be a valid JSON schema (a 400 naming the tool)."""
+    for i, t in enumerate(tools or []):
+        fn = t.function
+        if fn.parameters is not None:
+            check_schema(fn.parameters, f"tools[{i}].function.parameters ({fn.name})", "tools")
+
+
 def check_request(req: SamplingFields) -> None:
     """Checks pydantic's field types cannot express; each error names its param."""
     if req.n not in (None, 1):
@@ -196,9 +284,10 @@ def check_request(req: SamplingFields) -> None:
     if len(req.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
         raise bad_request(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")
     if isinstance(req, ChatCompletionRequest):
-        _check_content(req.messages)
+        check_content(req.messages)
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs: needs logprobs set to true", "top_logprobs")
+        check_tools(req.tools)
         if req.tool_choice is not None and not req.tools:
             raise bad_request("tool_choice: only allowed when tools are given", "tool_choice")
         if isinstance(req.tool_choice, NamedToolChoice):
@@ -208,6 +297,10 @@ def check_request(req: SamplingFields) -> None:
                     f"tool_choice: function {req.tool_choice.function.name!r} is not in tools",
                     "tool_choice",
                 )
+    rf = req.response_format
+    if rf is not None and rf.type == "json_schema" and rf.json_schema.schema_ is not None:
+        check_schema(rf.json_schema.schema_, "response_format.json_schema.schema",
+                     "response_format")  # fmt: skip
     if isinstance(req, CompletionRequest):
         if req.best_of not in (None, 1):
             raise bad_request("best_of: only best_of=1 is supported", "best_of")

@@ -67,9 +67,12 @@ class ChatOutput:
         tools: list[dict[str, Any]] | None,
         logprobs: bool,
         eos_ids: set[int],
+        parallel_tool_calls: bool = True,
     ) -> None:
         self.reasoner = ReasoningParser(reasoning_mode)
-        self.tool_parser = ToolCallParser(tools) if tools is not None else None
+        self.tool_parser = None
+        if tools is not None:
+            self.tool_parser = ToolCallParser(tools, None if parallel_tool_calls else 1)
         self.fmt = LogprobFormatter(tokenizer) if logprobs else None
         self.eos_ids = eos_ids
         self.reasoning_tokens = 0
@@ -78,12 +81,12 @@ class ChatOutput:
         self.all_logprobs: list[dict[str, Any]] = []
         self._pending_lp: list[dict[str, Any]] = []
 
-    def _route(self, reasoning: str, content: str, final: bool) -> Delta:
+    def _route(self, reasoning: str, content: str, final: bool, truncated: bool = False) -> Delta:
         d = Delta(reasoning=reasoning)
         if self.tool_parser is not None:
             parsed = self.tool_parser.feed(content)
             if final:
-                parsed.extend(self.tool_parser.finish())
+                parsed.extend(self.tool_parser.finish(truncated))
             d.content, d.tool_calls = parsed.content, parsed.tool_calls
         else:
             d.content = content
@@ -111,10 +114,12 @@ class ChatOutput:
         r, c = self.reasoner.feed(step.text)
         return self._attach(self._route(r, c, final=False), final=False)
 
-    def finish(self) -> Delta:
-        """Flush held text at the end of the output."""
+    def finish(self, engine_reason: str | None) -> Delta:
+        """Flush held text at the end of the output. ``engine_reason`` is the last step's
+        finish reason: "length" leaves a tool call cut short as generated (unclosed)."""
         r, c = self.reasoner.finish()
-        return self._attach(self._route(r, c, final=True), final=True)
+        d = self._route(r, c, final=True, truncated=engine_reason == "length")
+        return self._attach(d, final=True)
 
     @property
     def tool_calls(self) -> list[dict[str, Any]]:
@@ -126,6 +131,9 @@ class ChatOutput:
         ]
 
     def finish_reason(self, engine_reason: str | None) -> str:
+        """OpenAI's finish_reason: "length" whenever max_tokens cut the output, even inside
+        a tool call (whose arguments are then incomplete); "tool_calls" only for calls the
+        model finished."""
         if self.tool_calls and engine_reason == "stop":
             return "tool_calls"
         return "length" if engine_reason == "length" else "stop"

@@ -87,6 +87,8 @@ class Scheduler:
         self._thread.start()
 
     def stop(self) -> None:
+        """End the worker: queued jobs are dropped (their clients get a 503), the running
+        one is cancelled at its next step or prefill chunk."""
         with self._cond:
             self._stop = True
             while self._waiting:
@@ -94,6 +96,19 @@ class Scheduler:
             if self._running is not None:
                 self._running.cancel.set()
             self._cond.notify_all()
+
+    def close(self, timeout: float) -> bool:
+        """Stop (as ``stop``) and wait up to ``timeout`` s for the worker thread to end, so
+        no engine work runs while the interpreter shuts down; True when it ended."""
+        self.stop()
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def busy(self) -> tuple[int, int]:
+        """(running, waiting) requests."""
+        return self._queue_state()
 
     @property
     def alive(self) -> bool:

@@ -33,6 +33,9 @@ PARAM_OPEN, PARAM_CLOSE = "<parameter=", "</parameter>"
 VALUE_ENDS = (PARAM_CLOSE, "\n" + PARAM_OPEN, "\n" + FUNC_CLOSE, "\n" + CALL_CLOSE)
 
 _INT = re.compile(r"[+-]?\d+")
+# A JSON-form call cut short: its name and where its arguments begin.
+_JSON_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_JSON_ARGS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
 
 
 def new_call_id() -> str:
@@ -141,9 +144,12 @@ def convert_value(raw: str, schema: Any) -> Any:
 
 
 class ToolCallParser:
-    """Incremental parser of tool calls out of content text."""
+    """Incremental parser of tool calls out of content text.
 
-    def __init__(self, tools: list[dict[str, Any]] | None) -> None:
+    ``max_calls``: calls after that many are dropped (``parallel_tool_calls: false``).
+    """
+
+    def __init__(self, tools: list[dict[str, Any]] | None, max_calls: int | None = None) -> None:
         self._params: dict[str, dict[str, Any]] = {}
         for t in tools or []:
             fn = t.get("function", t) if isinstance(t, dict) else {}
@@ -152,6 +158,7 @@ class ToolCallParser:
                 props = params.get("properties") if isinstance(params, dict) else None
                 self._params[fn["name"]] = props if isinstance(props, dict) else {}
         self.calls: list[ToolCall] = []
+        self.max_calls = max_calls
         self._buf = ""
         self._mode = "text"
         self._after_call = False  # strip whitespace between and after calls
@@ -168,12 +175,17 @@ class ToolCallParser:
             pass
         return out
 
-    def finish(self) -> ParsedDelta:
-        """End of output: flush held text and close an unfinished call so its JSON parses."""
+    def finish(self, truncated: bool = False) -> ParsedDelta:
+        """End of output: flush held text. An unfinished call is closed so its JSON parses
+        when the model ended it (a missing close tag), but left as generated when the output
+        was ``truncated`` (max_tokens): a call cut short must not look complete."""
         out = ParsedDelta()
-        while self._step(out, final=True):
+        # Cut short, a tag begun is still a tag: keep the modes that wait for more text.
+        while self._step(out, final=not truncated):
             pass
-        if self._mode in ("params", "value"):
+        if truncated and self._mode != "text":
+            self._cut(out)
+        elif self._mode in ("params", "value"):
             if self._mode == "value":
                 self._end_value(out, self._buf)
             self._close_args(out)
@@ -189,11 +201,15 @@ class ToolCallParser:
     # ---- state machine; each step returns True when it made progress
     def _step(self, out: ParsedDelta, final: bool) -> bool:
         buf = self._buf
+        if self._mode == "drop":
+            self._buf = ""
+            return False
         if self._mode == "text":
             i = buf.find(CALL_OPEN)
             if i >= 0:
                 self._emit_text(out, buf[:i])
-                self._buf, self._mode = buf[i + len(CALL_OPEN) :], "start"
+                full = self.max_calls is not None and len(self.calls) >= self.max_calls
+                self._buf, self._mode = buf[i + len(CALL_OPEN) :], "drop" if full else "start"
                 return True
             keep = 0 if final else _held_prefix(buf, (CALL_OPEN,))
             if final:
@@ -282,9 +298,38 @@ class ToolCallParser:
                 safe = safe[:-1]
             if safe:
                 self._open_value(out)
-                out.tool_calls.append(ToolCallDelta(self._index, arguments=_esc(safe)))
+                self._args(out, _esc(safe))
                 self._buf = buf[len(safe) :]
         return False
+
+    def _cut(self, out: ParsedDelta) -> None:
+        """Output ended by max_tokens inside a call: its arguments as far as generated."""
+        buf, mode = self._buf, self._mode
+        self._buf, self._mode = "", "text"
+        if mode == "value":
+            raw = buf[: len(buf) - _held_prefix(buf, VALUE_ENDS)]  # a close tag begun
+            raw = raw[:-1] if raw.endswith("\n") else raw
+            if self._is_string_param():
+                self._open_value(out)
+                if raw:
+                    self._args(out, _esc(raw))
+            else:
+                sep = "{" if self._n_args == 0 else ", "
+                self._args(out, f"{sep}{json.dumps(self._param)}: {raw.strip()}")
+        elif mode == "json":
+            name = _JSON_NAME.search(buf)
+            if name is None:
+                return
+            try:
+                fn = json.loads(f'"{name.group(1)}"')
+            except ValueError:
+                return
+            self._start_call(out, fn)
+            args = _JSON_ARGS.search(buf)
+            if args is not None and buf[args.end() :].rstrip():
+                self._args(out, buf[args.end() :].rstrip())
+        # "params": arguments so far, unclosed; "end": complete but for </tool_call>;
+        # "start", "drop": no call header was written: nothing to report.
 
     # ---- helpers
     @property

@@ -91,15 +91,19 @@ def test_text_input_and_a_missing_reference(tmp_path, mlx4_dir, monkeypatch, cap
                        "skipped (Python package 'lily_no_such_module' not installed)")  # fmt: skip
 
 
-def test_scoring_through_the_runner_equals_the_forward(mlx4_dir):
+def test_scoring_equals_teacher_forced_decode(mlx4_dir):
+    """The adapter scores through engine.score (prefill chunks: the generation path); the
+    runner's teacher-forced decode steps give the same logits."""
     from lily.bench.measure import pseudo_text_ids
     from lily.bench.source import dir_source, lily_engine
     from lily.bench.sweep import LilyAdapter
 
     engine = lily_engine(dir_source(mlx4_dir, device="cpu", dtype="float32"))
     ids = pseudo_text_ids(24, engine.cfg.vocab_size, seed=5)
-    by_forward = LilyAdapter(engine, score_via_runner=False).score(ids)
-    by_runner = LilyAdapter(engine, score_via_runner=True).score(ids)
-    assert by_runner.shape == by_forward.shape == (24, engine.cfg.vocab_size)
-    m = metrics(by_runner[:-1], by_forward[:-1], ids)
+    scored = LilyAdapter(engine).score(ids)
+    runner, state = engine.runner, engine.new_state()
+    steps = [runner.prefill(ids[:1], state)] + [runner.decode(t, state) for t in ids[1:]]
+    by_steps = torch.stack(steps).float().cpu()
+    assert by_steps.shape == scored.shape == (24, engine.cfg.vocab_size)
+    m = metrics(by_steps[:-1], scored[:-1], ids)
     assert m["top1_agreement_pct"] == 100.0 and m["rel_l2"] < 1e-5

@@ -1,32 +1,18 @@
 """The GPU diagnostics' own kernels against plain arithmetic and the reference GEMV (the
-Triton interpreter without a GPU): bench/gpu_launch_floor.py's chain link and grid barrier,
-bench/gpu_gemv_trace.py's stamped GEMV."""
+Triton interpreter without a GPU): lily/bench/gpu/diagnostics/launch_floor.py's chain link
+and grid barrier, lily/bench/gpu/diagnostics/gemv_trace.py's stamped GEMV."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import torch
 
-from lily.ops.ref_linear import ref_qlinear
+from lily.bench.gpu.diagnostics import gemv_trace as trace
+from lily.bench.gpu.diagnostics import launch_floor as floor
+from lily.model.ref import ref_qlinear
 from lily.quant import quantize
 from tests.ops.common import rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _script(name: str):
-    # by its path: under pytest the name ``bench`` is the tests' folder
-    path = Path(__file__).parents[2] / "bench" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-floor = _script("gpu_launch_floor")
-trace = _script("gpu_gemv_trace")
 
 
 def test_link_writes_half_the_sum_plus_its_program_id():

@@ -23,7 +23,7 @@ def script(path, body: str):
 
 
 def test_merge_sorts_by_fraction_of_floor_and_reports_problems(tmp_path, capsys):
-    # sections of rows, as bench/gpu_mixer_kernels.py writes them
+    # sections of rows, as lily/bench/gpu/kernels/mixer.py writes them
     mixer = script(
         tmp_path / "mix.py",
         """assert args.quick, "extra args are passed on"
@@ -76,3 +76,26 @@ def test_bad_json_is_named(tmp_path):
     empty = script(tmp_path / "e.py", "json.dump({'gpu': 'x'}, open(args.out, 'w'))")
     recs, problem = kernels.run_script(empty, [], 60)
     assert recs == [] and "no list of result rows" in problem
+
+
+def test_gpu_scripts_are_modules_of_the_package(capsys):
+    """``lily bench --run list`` names every GPU script by module (no repository paths);
+    each one is importable from the installed package; a wrong name is a clear error."""
+    import importlib.util
+
+    import pytest
+
+    from lily.bench import gpu
+    from lily.cli import main
+
+    assert main(["bench", "--run", "list"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed == list(gpu.scripts()) and "kernels.linear" in listed
+    assert {n.split(".")[0] for n in listed} == set(gpu.GROUPS)
+    for n in listed:
+        assert importlib.util.find_spec(f"lily.bench.gpu.{n}") is not None, n
+    assert all(s.startswith("lily.bench.gpu.") for s in kernels.SCRIPTS)
+    with pytest.raises(ValueError, match="no GPU script 'nope'"):
+        gpu.run("nope", [])
+    recs, problem = kernels.run_script("lily.bench.gpu.kernels.nope", [], 60)
+    assert recs == [] and problem.endswith("not found (skipped)")

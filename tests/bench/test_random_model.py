@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from lily.bench.conditioned import DEFAULT, plan
 from lily.bench.measure import cost_model, decode_bytes, prefill_flops
 from lily.bench.random_model import (
     fingerprint,
@@ -20,6 +21,7 @@ from lily.bench.random_model import (
 )
 from lily.config import ModelConfig
 from lily.quant import QuantWeight, dequantize
+from lily.runtime.runner import Runner
 from lily.runtime.state import SessionState
 from lily.weights import canonical_shapes, expected_tensors, load_params
 
@@ -87,7 +89,7 @@ def test_activations_stay_finite_through_40_layers(dtype):
     model = Model(cfg, random_params(cfg, "cpu", seed=5, dtype=dtype), dtype)
     state = SessionState.new(cfg, "cpu", dtype, 256)
     ids = torch.randint(0, cfg.vocab_size, (48,), generator=torch.Generator().manual_seed(0))
-    logits = model.forward(ids, state, all_logits=True)
+    logits = Runner(model, 64).score(ids.tolist(), state)
     assert logits.isfinite().all()
     assert 0.05 < logits.std().item() < 20  # neither collapsed nor blown up
     assert len(set(logits.argmax(-1).tolist())) > 3  # predictions vary with the input
@@ -100,15 +102,20 @@ def test_same_seed_same_bytes_other_seed_other_bytes():
     c = random_params(cfg, "cpu", seed=2)
     assert fingerprint(a) == fingerprint(b) != fingerprint(c)
     assert torch.equal(a["layers.0.moe.gate_proj"].qweight, b["layers.0.moe.gate_proj"].qweight)
+    # the conditioned model: an input projection's std is 1/|h| (unit pre-activations)
     w = dequantize(a["layers.0.moe.gate_proj"])
+    want = 1.0 / plan(cfg, DEFAULT)[0].h_moe
+    assert abs(w.mean().item()) < 0.05 * want and 0.85 * want < w.std().item() < 1.15 * want
+    plain = random_params(cfg, "cpu", seed=1, recipe=None)
+    w = dequantize(plain["layers.0.moe.gate_proj"])
     assert abs(w.mean().item()) < 0.002 and 0.015 < w.std().item() < 0.025  # ~ normal(0, 0.02)
 
 
 def test_router_skew_scales_only_the_hot_rows():
     cfg = model_config("tiny")
     hot = hot_experts(cfg.num_experts, 0)
-    base = random_params(cfg, "cpu", seed=0)
-    skewed = random_params(cfg, "cpu", seed=0, router_skew=2.0)
+    base = random_params(cfg, "cpu", seed=0, recipe=None)  # the plain init's router
+    skewed = random_params(cfg, "cpu", seed=0, router_skew=2.0, recipe=None)
     for i in range(cfg.num_hidden_layers):
         w0 = dequantize(base[f"layers.{i}.moe.router"])
         w1 = dequantize(skewed[f"layers.{i}.moe.router"])

@@ -115,10 +115,11 @@ def test_lily_adapter_times_the_engines_own_loop():
     """With tokens drawn on the device the adapter times the engine's pipelined loop: the
     same greedy tokens as synchronous steps, the asked number of timed steps, and the
     session holds exactly the tokens the model consumed."""
-    from lily.bench.random_model import engine_from_params, model_config, random_params
+    from lily.bench.random_model import model_config, random_params
+    from lily.bench.source import engine_from_params
     from lily.bench.sweep import LilyAdapter
     from lily.config import EngineConfig
-    from lily.runtime.generate import ReferenceRunner
+    from lily.runtime.runner import Runner
 
     cfg = model_config("tiny")
     ecfg = EngineConfig(device="cpu", dtype="float32", prefill_chunk=8, max_context=256)
@@ -129,7 +130,7 @@ def test_lily_adapter_times_the_engines_own_loop():
     toks = [sync.prefill(ids)]
     for _ in range(6):
         toks.append(sync.decode(toks[-1]))
-    eng.runner = ReferenceRunner(eng.model, 8, sample_on_device=True)
+    eng.runner = Runner(eng.model, 8, sample_on_device=True)
     eng.runner.decode = lambda *a: pytest.fail("a synchronous step in the pipelined loop")
     piped = LilyAdapter(eng)
     assert piped.prefill(ids) == toks[0]

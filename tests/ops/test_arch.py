@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from lily.model.ref import ref_moe
 from lily.ops.arch import (
     ARCHS,
     DEFAULT,
@@ -26,7 +27,6 @@ from lily.ops.launchable import Variant, launches
 from lily.ops.matrix import freeze
 from lily.ops.moe_prefill import moe_prefill, moe_prefill_config
 from lily.ops.qgemm import GemmConfig, gemm_config
-from lily.ops.ref_linear import ref_moe
 from tests.ops.common import rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # else under the interpreter
@@ -132,16 +132,26 @@ def test_pdl_only_where_the_arch_has_it(name):
             assert all(w.startswith("decode") for w in where), (launch, where)
 
 
-def test_cli_gpu_arch_switch():
-    from lily.cli import GPU_ARCHS, build_parser, engine_config
+def test_cli_gpu_arch_switch(monkeypatch):
+    """``--gpu-arch`` (default $LILY_GPU_ARCH) reaches EngineConfig; unknown names are
+    refused with the known ones."""
+    from lily.cli import build_parser
+    from lily.engine_args import engine_config
 
-    assert GPU_ARCHS == tuple(ARCHS)
+    monkeypatch.delenv("LILY_GPU_ARCH", raising=False)
     ap = build_parser()
     args = ap.parse_args(["generate", "--device", "cpu", "--gpu-arch", "sm_89", "hi"])
     assert engine_config(args).gpu_arch == "sm_89"
     assert engine_config(ap.parse_args(["generate", "--device", "cpu", "hi"])).gpu_arch is None
     with pytest.raises(SystemExit):
         ap.parse_args(["generate", "--gpu-arch", "sm_75", "hi"])
+    monkeypatch.setenv("LILY_GPU_ARCH", "sm_120")
+    ap = build_parser()
+    assert engine_config(ap.parse_args(["generate", "--device", "cpu", "hi"])).gpu_arch == "sm_120"
+    monkeypatch.setenv("LILY_GPU_ARCH", "sm_75")
+    ap = build_parser()
+    with pytest.raises(ValueError, match="LILY_GPU_ARCH: unknown GPU architecture 'sm_75'"):
+        engine_config(ap.parse_args(["generate", "--device", "cpu", "hi"]))
 
 
 def _moe(seed: int, t: int, d: int = 64, i: int = 64, e: int = 4):
@@ -188,7 +198,7 @@ def test_tiny_model_same_outputs_with_the_fallback(forced):
     from lily.checkpoint import TINY_TEXT_CONFIG, write_random_checkpoint
     from lily.config import ModelConfig
     from lily.model.model import Model
-    from lily.runtime.gpu_runner import GpuRunner
+    from lily.runtime.runner import Runner
     from lily.runtime.state import SessionState
     from lily.weights import load_params
 
@@ -196,8 +206,8 @@ def test_tiny_model_same_outputs_with_the_fallback(forced):
         write_random_checkpoint(d, TINY_TEXT_CONFIG, "mlx4", seed=5, progress=False)
         cfg = ModelConfig.from_dir(d)
         params = load_params(d, cfg, device=DEVICE, dtype=torch.bfloat16, progress=False)
-    runner = GpuRunner(Model(cfg, params, torch.bfloat16), chunk=16, use_graphs=False,
-                       sample_on_device=False)  # fmt: skip
+    model = Model(cfg, params, torch.bfloat16, kernels=True)
+    runner = Runner(model, chunk=16, use_graphs=False, sample_on_device=False)
     prompt = [7, 300, 12, 45, 99, 1, 250, 31, 8, 77, 400]
 
     def prefill() -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Gated attention kernels (decode plain and split-KV, prefill flash) against the plain fp32
-reference in lily.ops.ref_mixer.
+reference in lily.model.ref.
 
 Small shapes under the Triton interpreter (4 query heads over 2 KV heads, Dh 64 with 16
 rotary dims, cache lengths 1, 5, 77, split blocks of 16; 6 over 2 at Dh 48 with the new row
@@ -24,7 +24,9 @@ except ImportError:
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from lily.ops.ref_mixer import ref_attention, ref_rmsnorm, ref_rope  # noqa: E402
+from lily.model.norm import rms_norm  # noqa: E402
+from lily.model.ref import ref_attention  # noqa: E402
+from lily.model.rope import apply_rope, rope_cos_sin  # noqa: E402
 
 DEVICES = [DEVICE]
 THETA = 1e7
@@ -364,7 +366,7 @@ def test_norm_rope_at_long_positions(device):
     pos = torch.tensor([0, 1, 4097, 65535, 199999, 262143], dtype=torch.int32)
     x = torch.randn(6, 64)
     w = torch.rand(64) + 0.5
-    ref = ref_rope(ref_rmsnorm(x, w, 1e-6), pos, 16, THETA)
+    ref = apply_rope(rms_norm(x, w, 1e-6)[:, None], *rope_cos_sin(pos, 16, THETA))[:, 0]
     out = torch.empty(6, 64, device=device)
     _rms_rope_probe_kernel[(1,)](
         x.to(device),

@@ -27,7 +27,6 @@ from lily.ops.launchable import (
     config_key,
     configs,
     model_config,
-    prefill_tables,
 )
 from lily.ops.matrix import Launch, Result, check_all, compile_pool, problems, report
 
@@ -129,14 +128,16 @@ def test_every_kernel_is_in_the_matrix():
 
 def test_prefill_tables_are_constant_past_the_scan():
     """The registry scans chunk lengths up to SCAN_ROWS; past it (up to the context) every
-    prefill table of the full model keeps its value, so no longer chunk picks a config the
-    matrix has not compiled."""
+    prefill table of the full model keeps its choice, so no longer chunk picks a config
+    the matrix has not compiled."""
+    from lily.runtime.warmup import table_choices
+
     cfg = model_config(Variant("full"))
     lengths = [SCAN_ROWS + 1, 20000, 32767, 32768, 65537, 131072, 200001, MAX_CONTEXT]
     for arch in ARCHS.values():
-        for table in prefill_tables(cfg, arch):
-            last = table(SCAN_ROWS)
-            assert all(table(t) == last for t in lengths)
+        for x_bytes in (2, 4):
+            last = table_choices(cfg, SCAN_ROWS, arch, x_bytes)
+            assert all(table_choices(cfg, t, arch, x_bytes) == last for t in lengths)
 
 
 def test_configs_dedupe_only_specializations():

@@ -1,5 +1,5 @@
 """Gated DeltaNet kernels (decode step, prefill token scan, prefill chunked scan) against the
-plain fp32 reference in lily.ops.ref_mixer.
+plain fp32 reference in lily.model.ref.
 
 On a machine without CUDA the Triton kernels run under TRITON_INTERPRET=1 on small odd
 shapes (Hk=2, Hv=4, K=32, Vd=48: not powers of two, so every mask is exercised); with CUDA
@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from lily.bench.measure import capture_graph
+from lily.model.ref import ref_deltanet
 from lily.ops import (
     attention_decode,
     attention_prefill,
@@ -25,7 +26,6 @@ from lily.ops import (
     norm_rope,
 )
 from lily.ops.qgemv import qgemv
-from lily.ops.ref_mixer import ref_deltanet
 from lily.quant import quantize
 
 # NOTE: without CUDA, tests/conftest.py sets TRITON_INTERPRET=1 and patches the Triton 3.6

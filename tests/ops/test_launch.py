@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from lily.ops import launch
-from lily.ops.launch import to_device
+from lily.transfer import to_device
 
 
 def test_to_device_on_cpu_keeps_values_and_dtype():

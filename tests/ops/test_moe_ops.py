@@ -22,11 +22,11 @@ if not torch.cuda.is_available():
 
 from lily.bench.measure import capture_graph  # noqa: E402
 from lily.model.norm import rms_norm  # noqa: E402
+from lily.model.ref import ref_moe, ref_qlinear, ref_route  # noqa: E402
 from lily.ops.moe_decode import MoeDecodeConfig, moe_decode  # noqa: E402
 from lily.ops.moe_decode_parts import topk_rows  # noqa: E402
 from lily.ops.moe_prefill import MoePrefillConfig, moe_prefill, moe_prefill_config  # noqa: E402
 from lily.ops.qgemm import GemmConfig  # noqa: E402
-from lily.ops.ref_linear import ref_moe, ref_qlinear, ref_route  # noqa: E402
 from lily.quant import quantize  # noqa: E402
 from tests.ops.common import rel_err  # noqa: E402
 

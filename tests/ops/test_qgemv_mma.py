@@ -19,9 +19,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from lily.model.norm import rms_norm  # noqa: E402
+from lily.model.ref import ref_qlinear  # noqa: E402
 from lily.ops.qgemv import qgemv  # noqa: E402
 from lily.ops.qgemv_mma import MmaGemvConfig, mma_gemv_config, qgemv_mma  # noqa: E402
-from lily.ops.ref_linear import ref_qlinear  # noqa: E402
 from lily.quant import QuantWeight, quantize  # noqa: E402
 from tests.ops.common import rel_err  # noqa: E402
 

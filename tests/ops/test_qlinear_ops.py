@@ -20,9 +20,9 @@ if not torch.cuda.is_available():
 
 from lily.bench.measure import capture_graph  # noqa: E402
 from lily.model.norm import rms_norm  # noqa: E402
+from lily.model.ref import ref_qlinear  # noqa: E402
 from lily.ops.qgemm import GemmConfig, gemm_config, qgemm  # noqa: E402
 from lily.ops.qgemv import GemvConfig, gemv_config, qgemv  # noqa: E402
-from lily.ops.ref_linear import ref_qlinear  # noqa: E402
 from lily.quant import QuantWeight, quantize  # noqa: E402
 from tests.ops.common import rel_err  # noqa: E402
 
@@ -158,16 +158,26 @@ def test_gemv_config_shapes():
         assert cfg.split_k == 1 or n < 1536, (n, k, cfg)
 
 
-def test_gemv_config_every_row_count():
-    """Prefill chunks of 2-8 tokens take the GEMV: a tile for each row count at the model's
-    K (3, 5 and 6 rows at K = 2048 asked for 10, 6 and 5 groups a step: no valid tile, so
-    such a chunk raised; found by the compile matrix)."""
-    for t in range(1, 9):
-        for n, k in [(12352, 2048), (9216, 2048), (2048, 4096), (248320, 2048), (96, 192)]:
-            cfg = gemv_config(n, k, t, 4, 64)  # GemvConfig checks its tiles
-            assert cfg.block_g & (cfg.block_g - 1) == 0
-            if 1 < t and n < 65536:  # (the lm_head's own tile takes one row)
-                assert t * cfg.block_g * 64 <= 2048, (t, n, k, cfg)  # x-side registers
+@pytest.mark.parametrize("t", range(1, 9))
+def test_gemv_config_every_row_count(t):
+    """Every row count the GEMV takes (1-8: decode, and prefill chunks of a few tokens)
+    gets a valid tile at the model's K (T = 3 gave 10 groups a step, not a power of two: a
+    3-token chunk of the full model failed)."""
+    for n, k in [(12352, 2048), (9216, 2048), (2048, 4096), (2048, 512), (248320, 2048)]:
+        for bits, gs in [(4, 64), (4, 32), (8, 64)]:
+            cfg = gemv_config(n, k, t, bits, gs)
+            assert cfg.block_g & (cfg.block_g - 1) == 0, (n, k, t, cfg)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows", [3, 5, 6])
+def test_qgemv_few_rows_at_model_k(poison, device, rows):
+    """A few rows at the model's K (32 groups of 64): the table's tile for T = 3, 5, 6."""
+    gen = torch.Generator().manual_seed(rows)
+    w = _weight(24, 2048, 4, 64, device, gen)
+    x = torch.randn(rows, 2048, generator=gen).bfloat16().to(device)
+    y = qgemv(x, w, out_dtype=torch.float32)
+    assert rel_err(y, ref_qlinear(x, w)) < 1e-3
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -222,7 +232,7 @@ def test_qgemm_empty_and_table(device):
 def test_qgemm_table_tiles_repeat_exactly():
     """The table's tiles at the prefill chunk's largest shapes give the same bits on every
     run. With three pipeline stages the 128 x 128 (8 warps) tile returned garbage in about
-    1 run of 300 here on the H200 (bench/gpu_kernel_repeat.py); 2,000 runs would catch
+    1 run of 300 here on the H200 (lily/bench/gpu/kernels/repeat.py); 2,000 runs would catch
     that rate all but surely."""
     gen = torch.Generator().manual_seed(6)
     w = _weight(8192, 2048, 4, 64, "cuda", gen)

@@ -11,12 +11,12 @@ from lily.runtime.state import SessionState
 
 def _greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:
     """Argmax continuation by calling the model directly, one token at a time."""
-    state = SessionState.new(engine.cfg, "cpu", torch.float32, 256)
-    logits = engine.model.forward(torch.tensor(prompt), state)[0]
+    state = SessionState.new(engine.cfg, "cpu", torch.float32, 256, initial_capacity=256)
+    logits, _ = engine.model.forward(torch.tensor(prompt), state, 0)
     out = []
     for _ in range(n):
         out.append(int(logits.argmax()))
-        logits = engine.model.forward(torch.tensor(out[-1:]), state)[0]
+        logits, _ = engine.model.forward(torch.tensor(out[-1:]), state, len(prompt) + len(out) - 1)
     return out
 
 

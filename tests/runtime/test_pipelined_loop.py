@@ -1,7 +1,7 @@
 """The pipelined decode loop (device sampling, the host one step behind) on the CPU.
 
-The reference runner's eager hook drives it: the same StepOutput stream as the plain loop,
-tokens as the model called directly gives them, and after every kind of stop a session
+The runner's eager hook over the reference ops drives it: the same StepOutput stream as the
+plain loop, tokens as the model called directly gives them, and after every kind of stop a session
 state that names exactly what the model consumed (a later turn resumed from it gives a
 cold prefill's logits).
 """
@@ -16,7 +16,8 @@ import torch
 from lily.config import EngineConfig
 from lily.runtime.device_sampling import DeviceSampler
 from lily.runtime.engine import Engine
-from lily.runtime.generate import ReferenceRunner, Usage, decode_loop
+from lily.runtime.generate import Usage, decode_loop
+from lily.runtime.runner import Runner
 from lily.runtime.sampling import NO_TOKEN, SamplingParams
 from lily.runtime.state import SessionState
 
@@ -28,7 +29,7 @@ PROMPT = [3, 50, 7, 120, 9]
 def engines(hf_tiny_dir) -> tuple[Engine, Engine, Engine]:
     """(pipelined, plain, cold): the first two reuse prefixes, the cold one never does."""
     piped = Engine.load(hf_tiny_dir, CFG, progress=False)
-    piped.runner = ReferenceRunner(piped.model, CFG.prefill_chunk, sample_on_device=True)
+    piped.runner = Runner(piped.model, CFG.prefill_chunk, sample_on_device=True)
     plain = Engine.load(hf_tiny_dir, CFG, progress=False)
     cold_cfg = EngineConfig(prefill_chunk=5, max_context=256, prefix_cache_gb=0)
     return piped, plain, Engine.load(hf_tiny_dir, cold_cfg, progress=False)
@@ -139,13 +140,13 @@ def test_sampled_stream_equals_a_sequential_replay(engines):
     assert ids != run(piped, PROMPT, **{**params.__dict__, "seed": 22})[0]
     s = DeviceSampler(piped.cfg.vocab_size, "cpu")
     s.load(params, PROMPT)
-    state = SessionState.new(piped.cfg, "cpu", torch.float32, 256)
-    logits = piped.model.forward(torch.tensor(PROMPT), state)[0]
+    state = SessionState.new(piped.cfg, "cpu", torch.float32, 256, initial_capacity=256)
+    logits, _ = piped.model.forward(torch.tensor(PROMPT), state, 0)
     want, out = [], torch.zeros(1, dtype=torch.long)
-    for _ in range(14):
+    for i in range(14):
         s.sample_into(logits, out)
         want.append(int(out))
-        logits = piped.model.forward(out.clone(), state)[0]
+        logits, _ = piped.model.forward(out.clone(), state, len(PROMPT) + i)
     assert ids == want
     assert len(set(ids)) > 3  # really sampled
 
@@ -161,12 +162,12 @@ def test_nan_logits_raise_the_samplers_error_and_the_state_is_dropped(
         decodes = []
 
         def poisoned(ids, state, *a, forward=forward, decodes=decodes, **k):
-            out = forward(ids, state, *a, **k)
+            out, snaps = forward(ids, state, *a, **k)
             if ids.shape[0] == 1:
                 decodes.append(1)
                 if len(decodes) == 3:  # the third decode step's logits
-                    return torch.full_like(out, math.nan)
-            return out
+                    return torch.full_like(out, math.nan), snaps
+            return out, snaps
 
         monkeypatch.setattr(e.model, "forward", poisoned)
         steps = []
@@ -193,22 +194,24 @@ def test_failed_draw_reaches_the_host_but_feeds_a_valid_id(engines):
         dd.recv(0)
 
 
-def test_gpu_runner_hook_without_graphs(hf_tiny_dir):
-    """The kernel runner's decode_sampled (graphs off) with a stand-in forward whose argmax
-    is a known function of the token and position: the loop's stream and bookkeeping."""
-    from lily.runtime.gpu_runner import GpuRunner
-
-    engine = Engine.load(hf_tiny_dir, CFG, progress=False)  # its own: the runner fuses params
-    runner = GpuRunner(engine.model, 16, use_graphs=False)
+def test_kernel_runner_hook_without_graphs(hf_tiny_dir):
+    """The runner's decode_sampled over a kernel model (graphs off) with a stand-in forward
+    whose argmax is a known function of the token and the device position: the loop's
+    stream and bookkeeping."""
+    engine = Engine.load(hf_tiny_dir, CFG, progress=False)
     v = engine.cfg.vocab_size
     seen_pos = []
 
-    def forward(ids, state, pos, max_len):
-        seen_pos.append(int(pos))
-        target = (ids * 37 + pos.long() * 11 + 5) % v
-        return torch.zeros(v).scatter(0, target, 1.0)
+    class StandIn:  # the kernel model's interface, as the runner sees it
+        cfg, device, kernels, capturable = engine.cfg, torch.device("cpu"), True, False
 
-    runner._decode_forward = forward
+        def forward(self, ids, state, pos, max_len, step=False, cuts=()):
+            assert step and isinstance(pos, torch.Tensor)  # a step reads its position there
+            seen_pos.append(int(pos))
+            target = (ids * 37 + pos.long() * 11 + 5) % v
+            return torch.zeros(v).scatter(0, target, 1.0), {}
+
+    runner = Runner(StandIn(), 16, use_graphs=False)
     assert runner.device_decode.tok is runner.tok  # draws write the graph's own input
     state = SessionState.new(engine.cfg, "cpu", torch.float32, 256)
     state.length, state.tokens = len(PROMPT), list(PROMPT)

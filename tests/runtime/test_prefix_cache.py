@@ -127,13 +127,13 @@ def test_cached_state_is_a_real_saving(engines):
     warm, _ = engines
     warm.reset()
     calls = []
-    orig = warm.runner.prefill
+    orig = warm.runner.prefill_snapshots
 
-    def counting(ids, state):
+    def counting(ids, state, points):
         calls.append(len(ids))
-        return orig(ids, state)
+        return orig(ids, state, points)
 
-    warm.runner.prefill = counting
+    warm.runner.prefill_snapshots = counting
     try:
         msgs = [{"role": "user", "content": "hello " * 30}]
         ids = warm.encode_chat(msgs)
@@ -145,7 +145,7 @@ def test_cached_state_is_a_real_saving(engines):
         assert sum(calls) == len(ids2) - cached
         assert sum(calls) < len(ids2) - len(ids) + 20
     finally:
-        warm.runner.prefill = orig
+        warm.runner.prefill_snapshots = orig
 
 
 @pytest.mark.parametrize("diverge", [0, 1, 511, 512, 513, 1023, 1024, 1500, None])
@@ -183,3 +183,39 @@ def test_new_conversation_reuses_the_shared_system_prompt(engines):
     _, cached = assert_same(warm, cold, second)
     system_end = next(i for i in range(1, len(second)) if second[i] == warm.tokenizer.im_start_id)
     assert cached == system_end
+
+
+def _words(rng, n: int) -> str:
+    vocab = ["alpha", "beta", "gamma", "delta", "tool", "file", "read", "write", "agent", "plan"]
+    return " ".join(rng.choice(vocab) for _ in range(n))
+
+
+@pytest.mark.parametrize("host_gb", [0.0, 0.0004], ids=["no-spill", "spill"])
+def test_interleaved_conversation_under_a_tiny_budget(hf_tiny_dir, engines, host_gb):
+    """Issue 19's CPU reproduction: an agent conversation (80-word system prompt, 20 words a
+    turn) with an unrelated request between its turns, in a budget of 0.0008 GB (a few
+    hundred tokens of this model's fp32 KV). Resuming the agent used to evict the very
+    entry being resumed (``list.remove(x): x not in list``). Every turn must equal a cold
+    engine's, and from the second on reuse at least the agent's system prompt."""
+    import random
+
+    _, cold = engines
+    cfg = EngineConfig(prefill_chunk=16, max_context=4096, prefix_cache_gb=0.0008,
+                       prefix_cache_host_gb=host_gb)  # fmt: skip
+    small = Engine.load(hf_tiny_dir, cfg, progress=False)
+    cache = small.prefix_cache
+    rng = random.Random(0)
+    agent = [{"role": "system", "content": _words(rng, 80)}]
+    spilled = 0
+    for turn in range(5):
+        agent.append({"role": "user", "content": _words(rng, 20)})
+        text, cached = assert_same(small, cold, small.encode_chat(agent))
+        system_end = len(small.encode_chat(agent[:1], add_generation_prompt=False))
+        assert turn == 0 or cached >= system_end, (turn, cached)
+        assert cache.nbytes() <= cache.budget and cache.host_nbytes() <= cache.host_budget
+        spilled = max(spilled, cache.host_nbytes())
+        agent.append({"role": "assistant", "content": text})
+        other = [{"role": "system", "content": _words(rng, 80)},
+                 {"role": "user", "content": _words(rng, 20 * (turn + 1))}]  # fmt: skip
+        assert_same(small, cold, small.encode_chat(other))
+    assert (spilled > 0) == (host_gb > 0)

@@ -92,13 +92,11 @@ def model_dir(tmp_path_factory) -> Path:
     return d
 
 
-@pytest.fixture(scope="session")
-def server(model_dir, tmp_path_factory):
-    """The main server: two API keys, CORS for one origin, a small context window."""
-    log = tmp_path_factory.mktemp("logs") / "main.log"
+def main_server(model_dir, log, *extra: str):
+    """The main server's settings (plus ``extra`` flags), running until the generator ends."""
     argv = ["-m", "lily.cli", "serve", "--model", str(model_dir),
             "--max-context", str(MAX_CONTEXT), "--served-model-name", "tiny", "tiny-alias",
-            "--cors-origins", "http://allowed.test"]  # fmt: skip
+            "--cors-origins", "http://allowed.test", *extra]  # fmt: skip
     for k in KEYS:
         argv += ["--api-key", k]
     s = Server(argv, log)
@@ -107,6 +105,12 @@ def server(model_dir, tmp_path_factory):
         yield s
     finally:
         s.stop()
+
+
+@pytest.fixture(scope="session")
+def server(model_dir, tmp_path_factory):
+    """The main server: two API keys, CORS for one origin, a small context window."""
+    yield from main_server(model_dir, tmp_path_factory.mktemp("logs") / "main.log")
 
 
 @pytest.fixture(scope="session")

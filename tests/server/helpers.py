@@ -49,3 +49,24 @@ def assert_openai_error(r: httpx.Response, status: int) -> dict[str, Any]:
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"], err
     return err
+
+
+# A tool schema whose calls always end: a city from two, a small integer.
+WEATHER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+}
+
+
+def answer_header_len(model_dir) -> int:
+    """Tokens of the answer's turn header with thinking off, counted by ``tokenizers``: a
+    continued conversation resumes from saved state at least at that turn's start."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    header = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    return len(tok.encode(header, add_special_tokens=False).ids)

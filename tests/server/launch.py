@@ -16,7 +16,8 @@ import dataclasses
 import sys
 import time
 
-from lily.cli import build_parser, engine_config, load_engine
+from lily.cli import build_parser
+from lily.engine_args import engine_config, load_engine
 from lily.server.app import run_server
 
 

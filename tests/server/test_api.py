@@ -19,13 +19,20 @@ MSGS = [{"role": "user", "content": "Say something."}]
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
-def prompt_len(model_dir, messages, enable_thinking=True, tools=None) -> int:
-    """Prompt tokens counted independently: plain jinja2 render, `tokenizers` encode."""
+def prompt_text(model_dir, messages, enable_thinking=True, tools=None,
+                add_generation_prompt=True) -> str:  # fmt: skip
+    """The prompt rendered independently: plain jinja2."""
     env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
     env.filters["tojson"] = lambda v, **k: json.dumps(v, ensure_ascii=False)
-    text = env.from_string((model_dir / "chat_template.jinja").read_text()).render(
-        messages=messages, tools=tools, add_generation_prompt=True, enable_thinking=enable_thinking
-    )
+    return env.from_string((model_dir / "chat_template.jinja").read_text()).render(
+        messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+        enable_thinking=enable_thinking,
+    )  # fmt: skip
+
+
+def prompt_len(model_dir, messages, enable_thinking=True, tools=None) -> int:
+    """Prompt tokens counted independently: plain jinja2 render, `tokenizers` encode."""
+    text = prompt_text(model_dir, messages, enable_thinking, tools)
     tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
     return len(tok.encode(text, add_special_tokens=False).ids)
 

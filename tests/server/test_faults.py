@@ -38,12 +38,13 @@ FREED_WITHIN = PREFILL + 10 * STEP + 1.5
 
 def memory_limit_mb(model_dir) -> float:
     """A per-request limit between what (200 prompt + 56 generated) and (200 + 57) need:
-    the K/V cache doubles from 256 to 512 positions at the 257th token."""
-    from lily.config import ModelConfig
+    the K/V cache grows from 256 positions to the 512 of the context at the 257th token."""
+    from lily.config import EngineConfig, ModelConfig
     from lily.server.limits import estimate
 
     cfg = ModelConfig.from_dir(model_dir)
-    fits, over = (estimate(cfg, torch.float32, 200, n, 2048, CONTEXT, False).total
+    chunk = EngineConfig.prefill_chunk
+    fits, over = (estimate(cfg, torch.float32, 200, n, chunk, CONTEXT, False).total
                   for n in (256, 257))  # fmt: skip
     assert fits < over
     return (fits + over) / 2 / 2**20
@@ -54,6 +55,7 @@ def fault_server(model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "faults.log"
     argv = [str(ROOT / "tests/server/launch.py"), "--step-delay", str(STEP), "--prefill-delay",
             str(PREFILL), "--fault-seed", str(FAULT_SEED), "serve", "--model", str(model_dir),
+            "--device", "cpu",  # the limit below is the CPU path's estimate (fp32, no kernels)
             "--max-context", str(CONTEXT), "--keepalive", "0.1",
             "--max-request-memory-mb", f"{memory_limit_mb(model_dir):.4f}"]  # fmt: skip
     s = Server(argv, log)
@@ -262,6 +264,60 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(drain_server):
     assert queued["r"].status_code == 200  # the queued request was served too
     assert s.proc.wait(timeout=10) == 0  # well inside the 30 s drain timeout
     assert "Traceback" not in s.log_text()
+
+
+def test_sigterm_past_a_short_drain_timeout_ends_requests_cleanly(model_dir, tmp_path):
+    """Issue 19: with --drain-timeout 3, a 3000-token stream was cut mid-chunk (no finish,
+    error event or [DONE]), the queued request got uvicorn's plain-text 500, and the
+    process died of SIGABRT ("terminate called without an active exception")."""
+    argv = [str(ROOT / "tests/server/launch.py"), "--step-delay", "0.02", "serve",
+            "--model", str(model_dir), "--max-context", "4096", "--drain-timeout", "3"]  # fmt: skip
+    s = Server(argv, tmp_path / "short-drain.log")
+    long = {"messages": MSGS, "max_tokens": 3000, "ignore_eos": True}
+    out: dict = {}
+
+    def queued(name: str, stream: bool) -> None:
+        with httpx.Client(base_url=s.url, timeout=60) as c:
+            r = c.post("/v1/chat/completions", json={**long, "stream": stream})
+            out[name] = (r.status_code, r.headers.get("content-type", ""), r.text)
+
+    try:
+        s.health_history()
+        with httpx.Client(base_url=s.url, timeout=60) as c:
+            with c.stream("POST", "/v1/chat/completions", json={**long, "stream": True}) as r:
+                lines = r.iter_lines()
+                got = [next(lines) for _ in range(8)]
+                waiters = [threading.Thread(target=queued, args=(n, n == "stream"))
+                           for n in ("full", "stream")]  # fmt: skip
+                for t in waiters:
+                    t.start()
+                wait_for(lambda: metrics(c)["num_requests_waiting"] == 2)
+                t0 = time.monotonic()
+                s.proc.send_signal(signal.SIGTERM)
+                got += list(lines)
+        for t in waiters:
+            t.join(60)
+        code = s.proc.wait(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        if s.alive():
+            s.stop()
+    events = sse_events("\n".join(got) + "\n\n")  # every line is whole JSON
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["code"] == "cancelled", events[-2]
+    deltas = [e["choices"][0]["delta"] for e in events[1:-2]]
+    assert sum(bool(d.get("content") or d.get("reasoning_content")) for d in deltas) > 10
+    status, ctype, text = out["full"]
+    assert status == 503 and ctype.startswith("application/json"), (status, text)
+    err = json.loads(text)["error"]
+    assert err["code"] == "cancelled" and "shutting down" in err["message"]
+    status, _, text = out["stream"]
+    queued_events = sse_events(text)
+    assert queued_events[-1] == "[DONE]" and queued_events[-2]["error"]["code"] == "cancelled"
+    assert code == 0, s.log_text()[-3000:]
+    assert 3 <= took < 15, took
+    log = s.log_text()
+    assert "terminate called" not in log and "Traceback" not in log, log[-3000:]
 
 
 # ---- broken checkpoints are refused at start, naming the file and the tensor

@@ -2,13 +2,15 @@
 give JSON that validates (checked by `jsonschema`) and tool calls our parser accepts."""
 
 import json
+import math
 import random
 
 import jsonschema
 import pytest
 import torch
 
-from lily.server.grammar import GrammarCompiler, json_grammar, tool_grammar
+from lily.server.constraints import Processor
+from lily.server.grammar import ConstraintFailed, GrammarCompiler, json_grammar, tool_grammar
 from lily.server.protocol import ApiError
 from lily.server.tools import ToolCallParser
 from lily.tokenizer import Tokenizer
@@ -22,6 +24,13 @@ def tok(tmp_path_factory):
     d = tmp_path_factory.mktemp("tok")
     write_test_tokenizer(d, V)
     return Tokenizer.from_dir(d)
+
+
+def constrained(tok, text, after_think=False, param="response_format"):
+    """A processor applying grammar ``text`` (after ``</think>`` with ``after_think``)."""
+    g = GrammarCompiler(tok).grammar(text, V, param)
+    think_end = tok.think_end_id if after_think else None
+    return Processor(V, eos_ids=list(tok.eos_token_ids), grammar=g, think_end=think_end)
 
 
 def walk(tok, proc, rng, prefix=(), limit=400):
@@ -55,24 +64,21 @@ SCHEMA = {
 
 @pytest.mark.parametrize("seed", range(6))
 def test_json_schema_walks_validate(tok, seed):
-    gc = GrammarCompiler(tok)
-    proc = gc.processor(json_grammar(SCHEMA, False), V, False, "response_format")
+    proc = constrained(tok, json_grammar(SCHEMA, False))
     ids, ended = walk(tok, proc, random.Random(seed))
     assert ended
     jsonschema.validate(json.loads(tok.decode(ids)), SCHEMA)
 
 
 def test_json_object_rejects_non_object_text(tok):
-    gc = GrammarCompiler(tok)
-    proc = gc.processor(json_grammar({"type": "object"}, False), V, False, "response_format")
+    proc = constrained(tok, json_grammar({"type": "object"}, False))
     logits = proc([], torch.zeros(V))
     allowed = {tok.decode([t]) for t in torch.isfinite(logits).nonzero().flatten().tolist()}
     assert allowed and all(t.startswith("{") for t in allowed)
 
 
 def test_constraint_starts_after_think(tok):
-    gc = GrammarCompiler(tok)
-    proc = gc.processor(json_grammar(SCHEMA, True), V, True, "response_format")
+    proc = constrained(tok, json_grammar(SCHEMA, True), after_think=True)
     free = torch.randn(V)
     thinking = tok.encode("hmm, let me think")
     assert torch.equal(proc(thinking, free), free)  # reasoning is not constrained
@@ -124,9 +130,7 @@ TOOLS = [
 
 @pytest.mark.parametrize("seed", range(4))
 def test_named_tool_walks_parse_and_match_schema(tok, seed):
-    gc = GrammarCompiler(tok)
-    grammar = tool_grammar(TOOLS, "set_alarm", False)
-    proc = gc.processor(grammar, V, False, "tool_choice")
+    proc = constrained(tok, tool_grammar(TOOLS, "set_alarm", False), param="tool_choice")
     ids, ended = walk(tok, proc, random.Random(seed), limit=600)
     text = tok.decode(ids)
     if not ended:
@@ -141,22 +145,125 @@ def test_named_tool_walks_parse_and_match_schema(tok, seed):
 
 
 def test_tool_grammar_accepts_multiline_strings_and_rejects_bad_values(tok):
-    gc = GrammarCompiler(tok)
     good = (
         "<tool_call>\n<function=note>\n<parameter=label>\nwake <up>\n</param\n"
         "</parameter>\n<parameter=n>\n7\n</parameter>\n</function>\n</tool_call>"
     )
-    m = gc.processor(tool_grammar(TOOLS, None, False), V, False, "tool_choice").matcher
+    m = constrained(tok, tool_grammar(TOOLS, None, False), param="tool_choice").grammar.matcher
     assert m.consume_tokens(tok.encode(good)) and not m.is_error()
     assert m.is_accepting()
     bad = good.replace("<parameter=n>\n7", "<parameter=n>\nseven")
-    m = gc.processor(tool_grammar(TOOLS, None, False), V, False, "tool_choice").matcher
+    m = constrained(tok, tool_grammar(TOOLS, None, False), param="tool_choice").grammar.matcher
     m.consume_tokens(tok.encode(bad))
     assert m.is_error()
 
 
 def test_bad_schema_is_a_400(tok):
-    gc = GrammarCompiler(tok)
     with pytest.raises(ApiError) as e:
-        gc.processor(json_grammar({"type": "no-such-type"}, False), V, False, "response_format")
+        constrained(tok, json_grammar({"type": "no-such-type"}, False))
     assert e.value.status == 400 and e.value.param == "response_format"
+
+
+# Schemas llguidance gives up on within a few tokens (what the request check must catch).
+GIVE_UP = {
+    "pattern": {"type": "string", "pattern": "^(a{1000}){1000}$"},
+    "nested-pattern": {
+        "type": "object",
+        "properties": {"s": {"type": "string", "pattern": "^(a{1000}){1000}$"}},
+        "required": ["s"],
+    },
+    "recursive-ref": {
+        "$ref": "#/$defs/a",
+        "$defs": {
+            "a": {"type": "object", "required": ["x"], "properties": {"x": {"$ref": "#/$defs/a"}}}
+        },
+    },
+}
+# One it gives up on only after a 30-character string, past the request check's probe walk.
+LATE_FAILING = {
+    "type": "object",
+    "properties": {
+        "a": {"type": "string", "minLength": 30, "maxLength": 30},
+        "b": {"type": "string", "pattern": "^(a{1000}){1000}$"},
+    },
+    "required": ["a", "b"],
+}
+
+
+@pytest.mark.parametrize("schema", list(GIVE_UP.values()), ids=list(GIVE_UP))
+def test_schema_the_engine_gives_up_on_is_a_400_before_generation(tok, schema):
+    with pytest.raises(ApiError) as e:
+        constrained(tok, json_grammar(schema, False))
+    assert e.value.status == 400 and e.value.param == "response_format"
+    assert "could not be applied" in e.value.message
+
+
+def test_constraint_failing_while_generating_raises(tok):
+    """A pattern the probe walk does not reach (behind a 30-character string) fails when the
+    model gets there: an exception out of the decode loop, never an EOS-only mask."""
+    proc = constrained(tok, json_grammar(LATE_FAILING, False))  # passes the probe
+    text = '{"a": "' + "x" * 30 + '", "b": "aaa'
+    generated = []
+    with pytest.raises(ConstraintFailed, match="too many expressions") as e:
+        for t in tok.encode(text):
+            proc(generated, torch.zeros(V))
+            generated.append(t)
+    assert e.value.param == "response_format"
+
+
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "a": {"type": "number"},
+                "b": {"type": "number"},
+                "n": {"type": "integer"},
+                "who": {"type": "string", "minLength": 2, "maxLength": 5},
+            },
+            "required": ["a", "b", "n", "who"],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_forced_call_values_have_their_schema_types(tok, seed):
+    """Random walks: numbers are finite JSON numbers, integers fit in 64 bits, strings keep
+    their length bounds, whatever tokens the model picks."""
+    proc = constrained(tok, tool_grammar([ADD], "add", False), param="tool_choice")
+    ids, ended = walk(tok, proc, random.Random(seed), limit=600)
+    assert ended, tok.decode(ids)
+    parser = ToolCallParser([ADD])
+    parser.feed(tok.decode(ids))
+    parser.finish()
+    args = json.loads(parser.calls[0].arguments)
+    jsonschema.validate(args, ADD["function"]["parameters"])
+    assert all(math.isfinite(args[k]) for k in "ab")
+    assert type(args["n"]) is int and abs(args["n"]) < 2**63
+    assert 2 <= len(args["who"]) <= 5
+
+
+def test_number_grammar_refuses_an_overflowing_exponent(tok):
+    """The issue's "842e07588848" is valid JSON but infinite as a double: not allowed."""
+
+    def accepts(value):
+        text = f"<tool_call>\n<function=add>\n<parameter=a>\n{value}\n</parameter>\n"
+        m = constrained(tok, tool_grammar([ADD], "add", False), param="tool_choice")
+        m = m.grammar.matcher
+        m.consume_tokens(tok.encode(text))
+        return not m.is_error()
+
+    assert accepts("-12.5") and accepts("1.5e10") and accepts("0")
+    assert not accepts("842e07588848") and not accepts("1e999") and not accepts("x")
+
+
+def test_one_call_only_when_not_parallel(tok):
+    call = "<tool_call>\n<function=ping>\n</function>\n</tool_call>"
+    for parallel, ok in ((True, True), (False, False)):
+        proc = constrained(tok, tool_grammar(TOOLS, None, False, parallel), param="tool_choice")
+        m = proc.grammar.matcher
+        m.consume_tokens(tok.encode(call + "\n" + call))
+        assert (not m.is_error()) is ok

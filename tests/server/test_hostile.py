@@ -76,6 +76,7 @@ def test_bodies_that_are_not_strict_json_are_400(guarded, raw, says):
         ({"stop": "y" * 5000}, "stop"),
         ({"stop_token_ids": list(range(1000))}, "stop_token_ids"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": [10**9]}, "stop_token_ids"),
         ({"top_k": -5}, "top_k"),
         ({"repetition_penalty": 2.3e-116}, "repetition_penalty"),  # found by the fuzz
         ({"seed": 2**80}, "seed"),
@@ -158,6 +159,42 @@ def test_a_million_stop_strings_are_400_not_a_stall(http):
     assert err["param"] == "stop" and "16" in err["message"]
 
 
+def test_a_16m_character_message_is_400_at_once_and_health_answers(server, http):
+    """Issue 19: the 400 came after 32 s at 3.4 GB, /health unanswered meanwhile. The
+    prompt cannot fit the 1024-token window whatever it tokenizes to (no token covers more
+    than the vocabulary's longest), so it is refused without tokenizing it, and nothing
+    the request does holds the event loop for long."""
+    import threading
+    import time
+
+    body = json.dumps({"messages": [{"role": "user", "content": "agent " * 2_666_666}]})
+    assert len(body) > 16_000_000
+    slowest, done = [0.0], threading.Event()
+
+    def poll() -> None:
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            while not done.is_set():
+                t0 = time.monotonic()
+                assert c.get("/health").status_code == 200
+                slowest[0] = max(slowest[0], time.monotonic() - t0)
+                time.sleep(0.02)
+
+    t = threading.Thread(target=poll)
+    t.start()
+    try:
+        t0 = time.monotonic()
+        r = post_raw(http, body.encode())
+        took = time.monotonic() - t0
+    finally:
+        done.set()
+        t.join()
+    err = assert_openai_error(r, 400)
+    assert err["code"] == "context_length_exceeded" and err["param"] == "messages", err
+    assert "at least" in err["message"], err
+    assert took < 10, took
+    assert slowest[0] < 1.5, slowest
+
+
 def test_prompt_over_max_prompt_tokens_is_400(guarded):
     text = " ".join(["weather"] * 400)
     r = guarded.post(CHAT, json={"messages": [{"role": "user", "content": text}]})
@@ -235,6 +272,9 @@ def test_schema_fuzz_never_5xx(server, openapi, path):
             seen["4xx"] += 1
 
     run()
-    # Mostly valid bodies: the fuzz reached the engine, not only the validator.
-    assert seen["ok"] >= 15, seen
+    # Mostly valid bodies: the fuzz reached the engine, not only the validator. Completions
+    # bodies are valid less often (a random prompt union: ids out of the vocabulary, several
+    # prompts, stop_token_ids out of the vocabulary): measured 5 to 27 in 100 as the schema
+    # and draws change.
+    assert seen["ok"] >= (15 if path == CHAT else 3), seen
     assert server.alive()

@@ -90,12 +90,13 @@ def _check_choice(kind: str, choice: dict[str, Any], usage: dict[str, Any], body
     fr = choice.get("finish_reason")
     if kind == "tool":
         # The grammar forces one call and allows more; a random model may chain calls
-        # until max_tokens cuts it: then finish_reason is "length" with every token used.
+        # until max_tokens cuts it: then finish_reason is "length" with every token used,
+        # and the last call's arguments are as far as generated (not JSON).
         calls = (choice.get("message") or {}).get("tool_calls") or []
         cut = fr == "length" and usage.get("completion_tokens") == body["max_tokens"]
         if not cut and (fr != "tool_calls" or not calls):
             return f"forced tool call missing: finish_reason={fr}"
-        for c in calls:
+        for c in calls[:-1] if cut else calls:
             if c["function"]["name"] != "ping" or not isinstance(
                 json.loads(c["function"]["arguments"]).get("ok"), bool
             ):

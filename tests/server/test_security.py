@@ -96,6 +96,7 @@ def _evil_template(canary: str) -> str:
         "include": "{% include '" + canary + "' %}",
         "import": "{% import '" + canary + "' as m %}{{ m }}",
         "extends": "{% extends '" + canary + "' %}",
+        "bomb": '{{ "x" * 1000000000 }}',  # issue 19: 18 GB at 1e8, OOM-killed at 1e9
     }
     branches = "".join(
         ("{%- if" if i == 0 else "{%- elif") + f" c == '{name}' -%}}{body}"
@@ -111,7 +112,7 @@ def _evil_template(canary: str) -> str:
     )
 
 
-PROBES = ["mro", "globals", "format", "mutate", "include", "import"]
+PROBES = ["mro", "globals", "format", "mutate", "include", "import", "bomb"]
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +174,7 @@ def test_template_reaching_for_internals_or_files_fails_alone(evil_server, canar
             err = assert_openai_error(r, 500)
             assert err["code"] == "chat_template_error" and err["type"] == "server_error"
             assert "CANARY" not in r.text and "uid=" not in r.text
+            assert "chat_template.jinja" in err["message"]  # names the template
             # The server keeps serving, chat included.
             ok = httpx.post(url + CHAT, json={"messages": MSGS, "max_tokens": 1}, timeout=60)
             assert ok.status_code == 200, ok.text

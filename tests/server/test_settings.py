@@ -38,13 +38,15 @@ def test_keys_from_the_environment_add_to_the_flags():
 
 def test_limit_flags():
     flags = ["--max-body-bytes", "4096", "--max-prompt-tokens", "100",
-             "--max-request-memory-mb", "1.5", "--drain-timeout", "7"]  # fmt: skip
+             "--max-request-memory-mb", "1.5", "--drain-timeout", "7",
+             "--thinking-budget", "64"]  # fmt: skip
     s = settings_from_args(parse(*flags))
     assert (s.max_body_bytes, s.max_prompt_tokens) == (4096, 100)
     assert s.max_request_memory == 3 << 19 and s.drain_timeout == 7
+    assert s.thinking_budget == 64
     d = settings_from_args(parse(), environ={})
     assert d.max_body_bytes == 32 << 20 and d.max_prompt_tokens is None
-    assert d.max_request_memory is None
+    assert d.max_request_memory is None and d.thinking_budget is None
 
 
 @pytest.mark.parametrize(
@@ -60,6 +62,7 @@ def test_limit_flags():
         (["--max-request-memory-mb", "-1"], "--max-request-memory-mb"),
         (["--max-request-memory-mb", "inf"], "--max-request-memory-mb"),
         (["--drain-timeout", "-1"], "--drain-timeout"),
+        (["--thinking-budget", "-1"], "--thinking-budget"),
     ],
 )
 def test_bad_flags_name_the_flag(argv, flag):

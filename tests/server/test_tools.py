@@ -150,6 +150,7 @@ def test_missing_close_parameter_tag():
         ("42", None, "42"),
         ("nope", {"type": "integer"}, "nope"),  # unconvertible stays text
         ("nan", {"type": "number"}, "nan"),  # JSON has no NaN
+        ("842e07588848", {"type": "number"}, "842e07588848"),  # infinite as a double: text
         ("7", {"anyOf": [{"type": "integer"}, {"type": "string"}]}, 7),
         ("x", {"enum": ["x", "y"]}, "x"),
     ],
@@ -157,3 +158,62 @@ def test_missing_close_parameter_tag():
 def test_convert_value(raw, schema, expected):
     got = convert_value(raw, schema)
     assert got == expected and type(got) is type(expected)
+
+
+def test_streamed_arguments_equal_the_calls_arguments():
+    """The non-streamed response reads ``calls[i].arguments``; it must hold the string value
+    streamed in pieces, not only the part after the last piece (it held ``{"city": ""}``)."""
+    parser = ToolCallParser(TOOLS)
+    content, calls = run(parser, list(XML))
+    assert [c.arguments for c in parser.calls] == [c["arguments"] for c in calls]
+    assert [json.loads(c.arguments) for c in parser.calls] == EXPECTED_ARGS
+
+
+CUT = [
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nPar", '{"city": "Par'),
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</para", '{"city": "Paris'),
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+     "<parameter=days>\n1", '{"city": "Paris", "days": 1'),
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n",
+     '{"city": "Paris"'),
+    ("<tool_call>\n<function=get_weather>\n", ""),
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Os', '{"city": "Os'),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("text,args", CUT)
+def test_call_cut_by_max_tokens_is_left_as_generated(text, args):
+    """A call cut short keeps the arguments as generated (no invented closing), and the
+    streamed pieces join to the same text whatever the split."""
+    for pieces in ([text], list(text)):
+        parser = ToolCallParser(TOOLS)
+        content, calls = run_cut(parser, pieces)
+        assert content == "" and [c["name"] for c in calls] == ["get_weather"]
+        assert calls[0]["arguments"] == args == parser.calls[0].arguments
+        with pytest.raises(ValueError):
+            json.loads(args)
+
+
+def run_cut(parser, pieces):
+    content, calls = "", {}
+    for piece in [*pieces, None]:
+        d = parser.feed(piece) if piece is not None else parser.finish(truncated=True)
+        content += d.content
+        for tc in d.tool_calls:
+            if tc.id is not None:
+                calls[tc.index] = {"name": tc.name, "arguments": ""}
+            calls[tc.index]["arguments"] += tc.arguments
+    return content, [calls[i] for i in sorted(calls)]
+
+
+def test_a_cut_call_header_leaks_no_tag_text():
+    content, calls = run_cut(ToolCallParser(TOOLS), ["Hi <tool_call>\n<func"])
+    assert content == "Hi " and calls == []
+
+
+def test_max_calls_keeps_the_first_call_only():
+    parser = ToolCallParser(TOOLS, max_calls=1)
+    content, calls = run(parser, list(XML + " tail"))
+    assert [c["name"] for c in calls] == ["get_weather"] and len(parser.calls) == 1
+    assert json.loads(calls[0]["arguments"]) == EXPECTED_ARGS[0]
+    assert "noop" not in content and "tool_call" not in content

@@ -1,0 +1,59 @@
+"""GPU benchmark and diagnostic scripts, run by name: ``lily bench --run NAME [-- ARGS]``
+(or ``python -m lily.bench.gpu.NAME``); ``lily bench --run list`` lists them.
+
+- ``kernels.*``: each kernel family checked against the reference and timed at the
+  model's shapes, its floors, tile sweeps (``--run kernels`` runs and merges the two main
+  ones, lily.bench.kernels).
+- ``e2e.*``: end-to-end prefill and decode, multi-turn prefix reuse.
+- ``diagnostics.*``: where time goes (profiles, timelines, host time, launch floors, GEMV
+  traces) and hunts (non-finite values, races between runs).
+
+What they share: ``full_model`` (the full-size random model and a kernel engine over it,
+the JSON output) and ``op_hooks`` (hooks on the model's ops).
+"""
+
+from __future__ import annotations
+
+import ast
+import runpy
+import sys
+from pathlib import Path
+
+GROUPS = ("kernels", "e2e", "diagnostics")
+
+
+def scripts() -> dict[str, str]:
+    """Every runnable script: name (``group.module``) -> the first line of its docstring."""
+    out = {}
+    here = Path(__file__).parent
+    for group in GROUPS:
+        for path in sorted((here / group).glob("*.py")):
+            if path.stem != "__init__":
+                doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+                out[f"{group}.{path.stem}"] = doc.strip().splitlines()[0] if doc else ""
+    return out
+
+
+def run(name: str, argv: list[str]) -> int:
+    """Run script ``name`` with ``argv`` as its command line, in this process; ``list``
+    prints the scripts, ``kernels`` runs the kernel benchmarks and merges their tables."""
+    if name == "list":
+        for n, doc in scripts().items():
+            print(f"{n:28} {doc}")
+        return 0
+    if name == "kernels":
+        from lily.bench import kernels
+
+        return kernels.main(argv)
+    if name not in scripts():
+        raise ValueError(f"--run: no GPU script {name!r} (lily bench --run list names them)")
+    module = f"{__name__}.{name}"
+    saved = sys.argv
+    sys.argv = [module, *argv]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:  # a script's own exit status
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = saved
+    return 0

@@ -1,0 +1,224 @@
+"""The model's ops: each one function that runs its Triton kernels or its reference maths.
+
+``k`` is the dispatch: None runs the plain-PyTorch reference (lily/model/*.py, the maths
+written once); a ``Kernels`` runs the kernels of lily/ops. A ``Kernels`` with ``step`` set
+is a decode step (one row, captured in a CUDA graph): norms ride in the prologue of the
+GEMV or MoE that reads them, launches use programmatic dependent launch (``pdl``) and the
+4-bit GEMVs the tensor cores (``mma``). Without ``step`` (a prefill chunk) a norm rides in
+the epilogue of the op that produces its input: add+norm after a GEMM, the next layer's
+input norm in the MoE's last launch. Either way an op's result is the same maths.
+
+NOTE: the prefill of a reused turn enqueues ~800 launches barely ahead of the GPU; keep
+the per-call host work here to attribute reads and one branch or two.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lily.config import ModelConfig
+from lily.model.attention import attention_mixer
+from lily.model.bundles import AttentionWeights, DeltaNetWeights, Fused, MoEWeights
+from lily.model.deltanet import deltanet_mixer
+from lily.model.linear import embedding
+from lily.model.linear import linear as ref_linear
+from lily.model.moe import sparse_moe
+from lily.model.norm import rms_norm
+from lily.quant import QuantWeight, Weight
+
+Tensor = torch.Tensor
+
+# Triton is Linux-only: elsewhere the model runs its reference ops alone.
+HAS_KERNELS = importlib.util.find_spec("triton") is not None
+if HAS_KERNELS:
+    from lily.ops.attention_decode import attention_decode
+    from lily.ops.attention_prefill import attention_prefill
+    from lily.ops.deltanet_decode import DeltaNetDecodeWorkspace, deltanet_decode
+    from lily.ops.deltanet_prefill import deltanet_prefill
+    from lily.ops.embedding import DTYPES as EMBED_DTYPES
+    from lily.ops.embedding import embedding_rows
+    from lily.ops.moe_decode import moe_decode
+    from lily.ops.moe_prefill import moe_prefill
+    from lily.ops.norm_rope import rope_inv_freq
+    from lily.ops.qgemm import qgemm
+    from lily.ops.qgemv import MAX_ROWS as GEMV_ROWS  # rows at or below run through the GEMV
+    from lily.ops.qgemv import qgemv
+    from lily.ops.qgemv_mma import mma_supports, qgemv_mma
+    from lily.ops.rmsnorm import add_rmsnorm, rmsnorm
+
+
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    """How the kernels run (see the module docstring) and what they share: the DeltaNet
+    step's workspace and the RoPE frequencies."""
+
+    step: bool
+    pdl: bool
+    mma: bool
+    workspace: DeltaNetDecodeWorkspace
+    inv_freq: Tensor
+
+    @classmethod
+    def new(cls, cfg: ModelConfig, device: torch.device, step: bool, pdl: bool,
+            mma: bool) -> Kernels:  # fmt: skip
+        """A dispatch with new shared buffers (one per model: the layers run in turn)."""
+        if not HAS_KERNELS:
+            raise ValueError("the kernel path needs Triton, which is not installed here")
+        workspace = DeltaNetDecodeWorkspace.new(cfg.linear_num_key_heads,
+                                                cfg.linear_num_value_heads,
+                                                cfg.linear_value_head_dim, device)  # fmt: skip
+        return cls(step, pdl, mma, workspace, rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, device))
+
+
+# ---------------------------------------------------------------- linear layers
+
+
+def embed(ids: Tensor, w: Weight, dtype: torch.dtype, k: Kernels | None) -> Tensor:
+    """Rows ``ids`` (T,) of the embedding table as (T, D): one gather-and-dequantize launch
+    for a packed table (the reference's were ten), bit-equal to the reference."""
+    if k is not None and isinstance(w, QuantWeight) and dtype in EMBED_DTYPES:
+        return embedding_rows(ids, w, dtype)
+    return embedding(ids, w, dtype)
+
+
+def linear(x: Tensor, w: Weight, k: Kernels | None, residual: Tensor | None = None,
+           out_dtype: torch.dtype | None = None, **prologue) -> Tensor:  # fmt: skip
+    """``residual + x @ w.T`` for x (T, K), in ``out_dtype`` (default x's). Kernels: the
+    GEMV for a few rows of a packed weight (on the tensor cores with ``mma``; ``prologue``
+    keywords ``norm_weight``, ``eps`` put an RMSNorm of x in its prologue), the fused-dequant
+    GEMM for more, cuBLAS for a dense weight."""
+    if k is None:
+        y = ref_linear(rms_norm(x, prologue["norm_weight"], prologue["eps"]) if prologue else x, w)
+        if out_dtype is not None:
+            y = y.to(out_dtype)
+        return y if residual is None else y + residual
+    if isinstance(w, QuantWeight):
+        if x.shape[0] <= GEMV_ROWS:
+            gemv = qgemv_mma if k.mma and mma_supports(w) else qgemv
+            return gemv(x, w, residual=residual, out_dtype=out_dtype, pdl=k.pdl, **prologue)
+        y = qgemm(x, w, out_dtype=out_dtype)
+    else:
+        if prologue:
+            x = rmsnorm(x, prologue["norm_weight"], prologue["eps"])
+        y = torch.nn.functional.linear(x, w.to(x.dtype))
+        if out_dtype is not None:
+            y = y.to(out_dtype)
+    return y if residual is None else y + residual
+
+
+def norm(x: Tensor, w: Tensor, eps: float, k: Kernels | None) -> Tensor:
+    """RMSNorm of x (T, D) by the multiplier ``w``, in x's dtype."""
+    return rms_norm(x, w, eps) if k is None else rmsnorm(x, w, eps)
+
+
+def project(x: Tensor, h: Tensor | None, norm_w: Tensor, proj: tuple[Fused, ...], eps: float,
+            k: Kernels | None) -> tuple[Tensor, ...]:  # fmt: skip
+    """A mixer's input projections of ``h = rmsnorm(x) * norm_w`` (``h`` when given: the
+    norm already made by the op before), split into column views of the fused outputs.
+    In a decode step the norm rides in the GEMV's prologue."""
+    if k is not None and k.step and len(proj) == 1 and isinstance(proj[0].weight, QuantWeight):
+        f = proj[0]
+        return linear(x, f.weight, k, norm_weight=norm_w, eps=eps).split(f.sizes, dim=-1)
+    if h is None:
+        h = norm(x, norm_w, eps, k)
+    if len(proj) == 1:
+        f = proj[0]
+        return linear(h, f.weight, k).split(f.sizes, dim=-1)
+    return tuple(y for f in proj for y in linear(h, f.weight, k).split(f.sizes, dim=-1))
+
+
+def out_norm(o: Tensor, w: Weight, x: Tensor, norm_w: Tensor, eps: float,
+             k: Kernels | None) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """``x + o @ w.T`` (the mixer's output projection and the residual) and its RMSNorm by
+    ``norm_w``; None for the norm in a decode step (the MoE's prologue makes it). The GEMV
+    adds the residual before its one rounding; after a GEMM the add and the norm share
+    one launch."""
+    if k is None:
+        x = x + ref_linear(o, w)
+        return x, rms_norm(x, norm_w, eps)
+    if k.step:
+        return linear(o, w, k, residual=x), None
+    if isinstance(w, QuantWeight) and o.shape[0] > GEMV_ROWS:
+        return add_rmsnorm(linear(o, w, k), x, norm_w, eps)
+    x = linear(o, w, k, residual=x)
+    return x, rmsnorm(x, norm_w, eps)
+
+
+def head(x: Tensor, norm_w: Tensor, w: Weight, eps: float, k: Kernels | None) -> Tensor:
+    """fp32 logits (T, V) of the final RMSNorm of x (T, D)."""
+    if k is None:
+        return ref_linear(rms_norm(x, norm_w, eps), w).float()
+    if k.step and isinstance(w, QuantWeight) and not (k.mma and mma_supports(w)):
+        return linear(x, w, k, out_dtype=torch.float32, norm_weight=norm_w, eps=eps)
+    # On the tensor cores the norm gets its own launch: in the GEMV's prologue each of
+    # ~7,800 programs redid it (95 against 89 us).
+    return linear(rmsnorm(x, norm_w, eps), w, k, out_dtype=torch.float32)
+
+
+# ---------------------------------------------------------------- mixers and MoE
+
+
+def deltanet(parts: Sequence[Tensor], w: DeltaNetWeights, conv_state: Tensor, state: Tensor,
+             eps: float, k: Kernels | None, cuts: Sequence[int] = (),
+             snaps: list | None = None) -> Tensor:  # fmt: skip
+    """The DeltaNet mixer over the projections ``parts`` = (qkv, z, b, a), each (T, N),
+    updating the conv and recurrent states in place; (T, Hv*Vd). ``cuts``/``snaps``: the
+    states after the first ``c`` tokens, as in ``deltanet_mixer``."""
+    qkv, z, b, a = parts
+    if k is None:
+        return deltanet_mixer(qkv, z, b, a, w.conv1d, conv_state, w.A_log, w.dt_bias, w.norm,
+                              state, eps, cuts, snaps)  # fmt: skip
+    if qkv.shape[0] == 1:
+        return deltanet_decode(qkv, z, b, a, w.conv1d, conv_state, w.A_log, w.dt_bias, w.norm,
+                               state, eps, workspace=k.workspace, pdl=k.pdl)  # fmt: skip
+    return deltanet_prefill(qkv, z, b, a, w.conv1d, conv_state, w.A_log, w.dt_bias, w.norm,
+                            state, eps, cuts=cuts, snaps=snaps)  # fmt: skip
+
+
+def attention(parts: Sequence[Tensor], w: AttentionWeights, k_cache: Tensor, v_cache: Tensor,
+              start: int | Tensor, max_len: int, cfg: ModelConfig,
+              k: Kernels | None) -> Tensor:  # fmt: skip
+    """Gated attention of the projections ``parts`` = (qg, k, v) at positions from
+    ``start`` (an int, or a one-element device tensor in a decode step), writing K/V into
+    the caches; (T, H*Dh). ``max_len`` bounds the context of a decode step's graph."""
+    qg, kk, v = parts
+    if k is None:
+        return attention_mixer(qg, kk, v, w.q_norm, w.k_norm, k_cache, v_cache, int(start),
+                               cfg.rotary_dim, cfg.rope_theta, cfg.rms_norm_eps)  # fmt: skip
+    if qg.shape[0] == 1:
+        return attention_decode(qg, kk, v, w.q_norm, w.k_norm, k_cache, v_cache, start,
+                                k.inv_freq, cfg.rms_norm_eps, max_len=max_len)  # fmt: skip
+    return attention_prefill(qg, kk, v, w.q_norm, w.k_norm, k_cache, v_cache, start, k.inv_freq,
+                             cfg.rms_norm_eps)  # fmt: skip
+
+
+def moe(x: Tensor, h: Tensor | None, norm_w: Tensor, m: MoEWeights, next_norm: Tensor | None,
+        cfg: ModelConfig, k: Kernels | None) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """``x + moe(h)`` with ``h = rmsnorm(x) * norm_w`` (``h`` when given), and with
+    ``next_norm`` also its RMSNorm by that weight (the next layer's input) where the kernel
+    makes it in its last launch (a prefill chunk), else None. Three launches for one row
+    (the norm in the first one's prologue when ``h`` is None), routing on the GPU. The MoE
+    kernels take packed experts; dense ones (an unquantized checkpoint) take the reference
+    (not graph-capturable: ``Model.capturable``)."""
+    eps, top_k = cfg.rms_norm_eps, cfg.num_experts_per_tok
+    w = (m.router, m.gate_proj, m.up_proj, m.down_proj, m.shared_gate_proj, m.shared_up_proj,
+         m.shared_down_proj, m.shared_expert_gate)  # fmt: skip
+    if k is None or not isinstance(m.gate_proj, QuantWeight):
+        if h is None:
+            h = rms_norm(x, norm_w, eps)
+        x = x + sparse_moe(h, *w, top_k, cfg.norm_topk_prob)
+        return x, None if next_norm is None else rms_norm(x, next_norm, eps)
+    if x.shape[0] == 1:
+        if h is None:
+            y = moe_decode(x[0], *w, top_k=top_k, residual=x[0], norm_weight=norm_w, eps=eps,
+                           pdl=k.pdl)  # fmt: skip
+        else:
+            y = moe_decode(h[0], *w, top_k=top_k, residual=x[0])
+        return y[None], None
+    if next_norm is None:
+        return moe_prefill(h, *w, top_k=top_k, residual=x), None
+    return moe_prefill(h, *w, top_k=top_k, residual=x, norm_weight=next_norm, eps=eps)

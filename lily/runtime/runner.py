@@ -1,0 +1,226 @@
+"""The runner: prefill chunks, decode steps and CUDA-graph capture over the one model.
+
+It owns the scheduling of a session state: it grows the KV caches before a forward, and it
+alone advances ``state.length`` and ``state.tokens``. The model (lily/model/model.py)
+decides which kernels run; the runner only chooses between a prefill chunk and a decode
+step. On a CUDA device with the kernels, a decode step is one replay of a graph captured per
+context bucket (powers of two, so attention's grid fits the context and long contexts take
+the split-KV kernel); with device sampling the graph also draws the next token into its own
+input buffer, so a step needs nothing from the host but its position.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+
+import torch
+
+from lily.model.model import Model
+from lily.runtime.device_decode import DeviceDecode
+from lily.runtime.state import DeltaNetState
+from lily.transfer import to_device
+
+MIN_BUCKET = 4096  # the smallest context a decode graph is captured for
+SCORE_ROWS = 2048  # lm_head rows at a time when scoring (fp32 logits of 2048 x V: 2 GB)
+
+
+@contextlib.contextmanager
+def no_gc():
+    """Python's cyclic collector off while a prefill is enqueued.
+
+    NOTE: the host enqueues a reused turn's ~800 launches barely ahead of the GPU (28-32 ms
+    against 45 ms of kernels, less at the start), so a collector pass in the middle shows
+    up as idle GPU time (lily/bench/gpu/diagnostics/timeline.py: 1.9 ms of gaps over
+    20 us). The launches make tuples, not cycles: nothing is left for the collector that
+    refcounting misses."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def graph_key(state) -> tuple:
+    """What a captured step bakes in about the state: every buffer's address and the KV
+    capacity (the attention kernels' row stride). A freed cache's address can come back
+    with another capacity; replaying a graph captured for the old one would then read
+    and write KV rows at the wrong stride."""
+    key = tuple((c.k.data_ptr(), c.v.data_ptr(), tuple(c.k.shape)) for c in state.kv.values())
+    return key + tuple((s.recurrent.data_ptr(), s.conv.data_ptr(), tuple(s.recurrent.shape))
+                       for s in state.deltanet.values())  # fmt: skip
+
+
+class Runner:
+    """Chunked prefill and decode of one session state at a time over ``model``.
+
+    ``chunk``: prefill tokens per forward. ``use_graphs``: replay decode steps from CUDA
+    graphs (where the model is ``capturable``: the kernels on a CUDA device).
+    ``sample_on_device`` (default: with the kernels): the next token is drawn on the device
+    (``decode_sampled``).
+    """
+
+    def __init__(self, model: Model, chunk: int, use_graphs: bool = True,
+                 sample_on_device: bool | None = None):  # fmt: skip
+        self.model = model
+        self.chunk = max(1, chunk)
+        self.dev = model.device
+        self.use_graphs = use_graphs and model.capturable
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # NOTE: one memory pool for every captured step (each had its own, up to 17, each the
+        # size of a step's temporaries). Safe because steps replay one at a time on one
+        # stream and a step's output is read (decode clones it) before another step replays.
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.tok = torch.zeros(1, dtype=torch.long, device=self.dev)
+        self.pos = torch.zeros(1, dtype=torch.int32, device=self.dev)
+        if sample_on_device is None:
+            sample_on_device = model.kernels
+        # Draws write self.tok: the graph's own input for the next step.
+        self.device_decode = (DeviceDecode(self.tok, model.cfg.vocab_size)
+                              if sample_on_device else None)  # fmt: skip
+
+    # ---- prefill
+    def prefill(self, ids: list[int], state) -> torch.Tensor:
+        """Consume ``ids`` at ``state.length`` in chunks; logits (V,) of the last."""
+        return self.prefill_snapshots(ids, state, [])[0]
+
+    def prefill_snapshots(
+        self, ids: list[int], state, points: list[int]
+    ) -> tuple[torch.Tensor, dict[int, dict]]:
+        """Chunked prefill; the DeltaNet states at absolute positions ``points`` (inside
+        ``ids``' span or at its end) are copied out, mid-chunk where they fall there."""
+        logits, snaps = None, {}
+        with torch.inference_mode(), no_gc():
+            for i in range(0, len(ids), self.chunk):
+                part = ids[i : i + self.chunk]
+                start, end = self._begin(state, len(part))
+                cuts = tuple(p - start for p in points if start < p < end)
+                t = to_device(part, torch.long, self.dev)
+                logits, got = self.model.forward(t, state, start, end, cuts=cuts)
+                for c, layers in got.items():
+                    snaps[start + c] = {i: DeltaNetState(*s) for i, s in layers.items()}
+                self._end(state, part)
+                if end in points:  # a point on a chunk boundary
+                    snaps[end] = state.snapshot_recurrent()
+        if logits is None:
+            raise ValueError("prefill needs at least one token")
+        return logits, snaps
+
+    def score(self, ids: list[int], state) -> torch.Tensor:
+        """Teacher-forced fp32 logits (T, V) on the CPU for every position of ``ids``,
+        consumed at ``state.length`` in chunks as a prefill does."""
+        out = []
+        with torch.inference_mode(), no_gc():
+            for i in range(0, len(ids), self.chunk):
+                part = ids[i : i + self.chunk]
+                start, end = self._begin(state, len(part))
+                x, _ = self.model.run(to_device(part, torch.long, self.dev), state, start, end)
+                out += [self.model.head(x[r : r + SCORE_ROWS]).cpu()
+                        for r in range(0, len(part), SCORE_ROWS)]  # fmt: skip
+                self._end(state, part)
+        return torch.cat(out)
+
+    def _begin(self, state, n: int) -> tuple[int, int]:
+        start = state.length
+        end = start + n
+        if end > state.limit:
+            raise ValueError(f"context of {end} tokens exceeds the limit of {state.limit}")
+        for c in state.kv.values():
+            c.ensure(end)
+        state.busy = True
+        return start, end
+
+    def _end(self, state, ids: list[int]) -> None:
+        state.length += len(ids)
+        state.tokens.extend(ids)
+        state.busy = False
+
+    # ---- decode
+    def decode(self, token_id: int, state) -> torch.Tensor:
+        """Consume ``token_id`` at ``state.length``; logits (V,) of the next."""
+        self.tok.fill_(token_id)
+        with torch.inference_mode():
+            # NOTE: a graph writes the same buffer every step; hand out a copy so a caller
+            # may keep logits across steps (1 MB, about a microsecond).
+            out = self._advance(state, sampled=False).clone()
+        self.consumed(state, token_id)
+        return out
+
+    def decode_sampled(self, state) -> None:
+        """One step whose input is the last draw of ``device_decode``, already on the
+        device: consume it at ``state.length``, draw the next, start its copy to the host.
+
+        NOTE: ``state.length`` advances and ``state.busy`` stays set, but the consumed id is
+        not in ``state.tokens`` yet (the host does not know it): the loop passes it to
+        ``consumed`` once it has read the draw.
+        """
+        self._advance(state, sampled=True)
+        self.device_decode.send()
+
+    def consumed(self, state, token_id: int) -> None:
+        """Record the id a ``decode_sampled`` step consumed (read from the host side)."""
+        state.tokens.append(token_id)
+        state.busy = False
+
+    def _advance(self, state, sampled: bool) -> torch.Tensor:
+        """One step on the id in ``self.tok`` at ``state.length``, eager or replayed; the
+        length advances and ``state.busy`` stays set for the caller to clear."""
+        start, _ = self._begin(state, 1)
+        with torch.inference_mode():
+            if self.use_graphs:
+                graph, out = self._graph(state, start, sampled)
+                self.pos.fill_(start)
+                graph.replay()
+            else:
+                self.pos.fill_(start)
+                pos = self.pos if self.model.kernels else start
+                out = self._step(state, pos, self._bucket(start, state), sampled)
+        state.length = start + 1
+        return out
+
+    def _step(self, state, pos, bucket: int, sampled: bool) -> torch.Tensor:
+        """The decode step on ``self.tok`` at ``pos``; with ``sampled`` it also draws the
+        next token into ``self.tok`` (and the ring). Graph-safe with the kernels."""
+        logits, _ = self.model.forward(self.tok, state, pos, bucket, step=True)
+        if sampled:
+            self.device_decode.draw(logits)
+        return logits
+
+    def _bucket(self, start: int, state) -> int:
+        cap = min(c.capacity for c in state.kv.values()) if state.kv else start + 1
+        b = MIN_BUCKET
+        while b < start + 1:
+            b *= 2
+        return min(b, cap)
+
+    def _graph(self, state, start: int, sampled: bool = False):
+        """The captured step for this state's buffers and context bucket (with ``sampled``,
+        for the sampler's current structure)."""
+        bucket = self._bucket(start, state)
+        key = (bucket, graph_key(state))
+        dd = self.device_decode
+        if sampled:
+            key += dd.ident()
+        if key not in self.graphs:
+            if len(self.graphs) > 16:  # buffers moved (new state): old graphs are dead
+                self.graphs.clear()
+            # Warm up outside the graph (compiles kernels, allocator pools), then put back
+            # what it changed: the DeltaNet states, and the token and sampler counters.
+            snap = state.snapshot_recurrent()
+            drawn = dd.snapshot() if sampled else None
+            self.pos.fill_(start)
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                self._step(state, self.pos, bucket, sampled)
+            torch.cuda.current_stream().wait_stream(s)
+            if sampled:
+                dd.restore(drawn)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.graph_pool):
+                out = self._step(state, self.pos, bucket, sampled)
+            state.restore(snap, state.length)
+            self.graphs[key] = (graph, out)
+        return self.graphs[key]
