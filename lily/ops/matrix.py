@@ -10,14 +10,23 @@ dtype and 16-byte alignment, the other integers as what Triton specializes them 
 memory, registers and stack frame of the cubin. ``check_all`` spreads the compiles over
 worker processes: the Triton interpreter the CPU tests run under cannot compile, and a
 worker imports the kernels afresh without it.
+
+Stored results: a compile is a pure function of Triton's own cache key (Triton and its
+ptxas, the kernel's source and every jit function it calls, constexprs, specialization,
+options, target, the environment variables Triton hashes), so a result kept under that key
+(``save_results``/``load_results``) stands for a compile of the same key; ``check_all``
+compiles only the keys it is not given. Any change to a kernel, its tiles or Triton
+changes the key and the config is compiled again.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import functools
+import hashlib
 import importlib
 import inspect
+import json
 import multiprocessing
 import os
 import resource
@@ -25,6 +34,7 @@ import subprocess
 import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -69,6 +79,8 @@ class Result:
     seconds: float = 0.0  # CPU time of the compile, ptxas included
     error: str | None = None
     cases: list[str] = field(default_factory=list)  # where the matrix launched it
+    key: str = ""  # Triton's cache key of the compile (sha256)
+    stored: bool = False  # taken from stored results, not compiled in this run
 
 
 def _int_class(a: int) -> int:
@@ -132,9 +144,10 @@ def _resources(cubin: bytes) -> dict[str, int]:
     return {k: int(fields[k]) for k in ("REG", "STACK", "SHARED")}
 
 
-def compile_launch(launch: Launch, arch: Arch):
-    """Compile ``launch`` for ``arch`` as Triton's launcher would on that GPU: its binder's
-    specialization of the arguments, the options parsed from the keywords."""
+def _bind(launch: Launch, arch: Arch):
+    """(ASTSource, target, options) of ``launch`` for ``arch`` as Triton's launcher would
+    build them on that GPU: its binder's specialization of the arguments, the options
+    parsed from the keywords."""
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -152,8 +165,32 @@ def compile_launch(launch: Launch, arch: Arch):
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, spec, options = binder(*[_thaw(a) for a in launch.args], **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
-    src = ASTSource(fn, signature, constexprs, attrs)
-    return triton.compile(src, target=target, options=options.__dict__)
+    return ASTSource(fn, signature, constexprs, attrs), target, options.__dict__
+
+
+def compile_launch(launch: Launch, arch: Arch):
+    """Compile ``launch`` for ``arch`` (see ``_bind``)."""
+    import triton
+
+    src, target, options = _bind(launch, arch)
+    return triton.compile(src, target=target, options=options)
+
+
+def launch_key(launch: Launch, arch_name: str) -> str:
+    """sha256 of Triton's cache key for compiling ``launch`` for the arch (what
+    ``triton.compile`` computes before it looks in its cache); "" if it cannot be bound."""
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+    from triton.compiler import make_backend
+    from triton.runtime.cache import get_cache_key
+
+    try:
+        src, target, options = _bind(launch, ARCHS[arch_name])
+    except Exception:  # noqa: BLE001 -- the compile reports it
+        return ""
+    backend = make_backend(target)
+    opts = backend.parse_options(dict(options, **src.parse_options()))
+    key = get_cache_key(src, backend, opts, env_vars=get_cache_invalidating_env_vars())
+    return hashlib.sha256(key.encode()).hexdigest()
 
 
 def check(launch: Launch, arch_name: str) -> Result:
@@ -258,21 +295,33 @@ def compile_pool(workers: int = 2, cache_dir: str | None = None) -> CompilePool:
     return CompilePool(workers, cache_dir)
 
 
-def check_all(jobs: Iterable[tuple[Launch, str]], pool: CompilePool) -> list[Result]:
+def check_all(jobs: Iterable[tuple[Launch, str]], pool: CompilePool,
+              stored: dict[str, dict] | None = None) -> list[Result]:  # fmt: skip
     """``check`` every (launch, arch name) on ``pool``; results in the order of ``jobs``.
+    A job whose Triton cache key is in ``stored`` (``load_results``) takes that result
+    instead of compiling.
 
     A compile that kills its worker (a crash in Triton's compiler, or out of memory) takes
     the pool's other jobs down with it: those are run again, and where a second batch
     breaks too, one at a time, so that only the culprit is reported (as not compiling).
     NOTE: only the launch's names and values cross; the worker imports the kernel."""
     jobs = list(jobs)
+    keys = [""] * len(jobs)
+    if stored:
+        keys = list(pool.executor.map(launch_key, *zip(*jobs, strict=True), chunksize=8))
     results: list[Result | None] = [None] * len(jobs)
-    todo, alone = list(range(len(jobs))), False
+    todo = []
+    for i, ((launch, arch), key) in enumerate(zip(jobs, keys, strict=True)):
+        if key and key in stored:
+            results[i] = from_stored(launch, arch, key, stored[key])
+        else:
+            todo.append(i)
+    alone = False
     while todo:
         batches = [[i] for i in todo] if alone else [todo]
         broken = []
         for batch in batches:
-            futures = {i: pool.executor.submit(check, *jobs[i]) for i in batch}
+            futures = {i: pool.executor.submit(check_keyed, *jobs[i]) for i in batch}
             crashed = []
             for i, f in futures.items():
                 try:
@@ -289,6 +338,47 @@ def check_all(jobs: Iterable[tuple[Launch, str]], pool: CompilePool) -> list[Res
                     broken += crashed
         todo, alone = broken, True
     return results
+
+
+def check_keyed(launch: Launch, arch_name: str) -> Result:
+    """``check``, with the result's Triton cache key (so that it can be stored)."""
+    res = check(launch, arch_name)
+    res.key = launch_key(launch, arch_name)
+    return res
+
+
+# What a stored result keeps (with its key); the launch itself is not stored: the key
+# stands for it, and the kernel and config are kept for a reader.
+_STORED = ("arch", "shared", "regs", "stack", "num_warps", "error")
+
+
+def from_stored(launch: Launch, arch: str, key: str, entry: dict) -> Result:
+    """The Result a stored entry records for ``launch`` on ``arch``."""
+    kw = {k: entry[k] for k in _STORED if k in entry}
+    return Result(launch, **{**kw, "arch": arch}, key=key, stored=True)
+
+
+def load_results(path: str | Path) -> dict[str, dict]:
+    """Stored results by key ({} when the file does not exist)."""
+    path = Path(path)
+    if not path.exists():
+        return {}
+    return {e["key"]: e for e in json.loads(path.read_text())["results"]}
+
+
+def save_results(path: str | Path, results: Iterable[Result]) -> int:
+    """Keep the results that have a key (not a crashed compile) in ``path``, one entry a
+    line in key order; returns how many."""
+    import triton
+
+    rows = {}
+    for r in results:
+        if r.key and not (r.error or "").startswith("the compiler crashed"):
+            rows[r.key] = {"key": r.key, "kernel": str(r.launch),
+                           **{k: getattr(r, k) for k in _STORED}}  # fmt: skip
+    body = ",\n".join(json.dumps(rows[k], sort_keys=True) for k in sorted(rows))
+    Path(path).write_text(f'{{"triton": "{triton.__version__}", "results": [\n{body}\n]}}\n')
+    return len(rows)
 
 
 def report(results: Iterable[Result]) -> list[str]:

@@ -154,6 +154,23 @@ def test_cli_gpu_arch_switch(monkeypatch):
         engine_config(ap.parse_args(["generate", "--device", "cpu", "hi"]))
 
 
+def test_bench_gpu_arch_reaches_the_engine_config(monkeypatch):
+    """``lily bench --random full --peers none --lengths 4096 --gpu-arch sm_89`` (the H200
+    fallback measurement) carries the arch in its model source to the EngineConfig the
+    benchmarked engine is built from."""
+    from lily.bench.cli import bench_plan
+    from lily.bench.source import engine_config
+    from lily.cli import build_parser
+
+    monkeypatch.delenv("LILY_GPU_ARCH", raising=False)
+    argv = ["bench", "--random", "full", "--peers", "none", "--lengths", "4096",
+            "--device", "cuda"]  # fmt: skip
+    plan = bench_plan(build_parser().parse_args([*argv, "--gpu-arch", "sm_89"]))
+    assert plan.lengths == [4096] and plan.peers == []
+    assert engine_config(plan.source).gpu_arch == "sm_89"
+    assert engine_config(bench_plan(build_parser().parse_args(argv)).source).gpu_arch is None
+
+
 def _moe(seed: int, t: int, d: int = 64, i: int = 64, e: int = 4):
     from lily.quant import quantize
 
@@ -188,11 +205,21 @@ def test_moe_prefill_fallback_tile_same_result(forced, poison):
     assert rel_err(y89.float() - res.float(), ref - res.float()) < 2e-2
 
 
-def test_tiny_model_same_outputs_with_the_fallback(forced):
-    """The tiny model through the kernel runner (interpreter) with sm_89's tables and
-    switches: the prefill's flash tile is 64 x 32 on 4 warps instead of 128 x 64 on 8 (the
-    only table that differs at these shapes), and the logits of an 11-token prompt stay
-    those of the default."""
+# The tables that differ at the tiny model's shapes between sm_90 and sm_89, by dtype:
+# (kernel, constexpr): (sm_90's, sm_89's)
+_DIFFER = {
+    torch.bfloat16: {("_flash_kernel", "BM"): (128, 64), ("_flash_kernel", "BN"): (64, 32)},
+    torch.float32: {("_flash_kernel", "BN"): (32, 16), ("_attn_decode_kernel", "BN"): (64, 32)},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_tiny_model_same_outputs_with_the_fallback(forced, dtype):
+    """The tiny model through the runner on the kernels (interpreter) with sm_89's tables
+    and switches against the default's: an 11-token prompt (and in fp32 a decode step)
+    gives the same logits. In bf16 the flash tile is 64 x 32 on 4 warps instead of 128 x 64
+    on 8 (the decode's tables are the same); in fp32 the flash tile and the decode's key
+    step are halved (what 99 KiB GPUs need)."""
     import tempfile
 
     from lily.checkpoint import TINY_TEXT_CONFIG, write_random_checkpoint
@@ -205,21 +232,81 @@ def test_tiny_model_same_outputs_with_the_fallback(forced):
     with tempfile.TemporaryDirectory() as d:
         write_random_checkpoint(d, TINY_TEXT_CONFIG, "mlx4", seed=5, progress=False)
         cfg = ModelConfig.from_dir(d)
-        params = load_params(d, cfg, device=DEVICE, dtype=torch.bfloat16, progress=False)
-    model = Model(cfg, params, torch.bfloat16, kernels=True)
+        params = load_params(d, cfg, device=DEVICE, dtype=dtype, progress=False)
+    model = Model(cfg, params, dtype, kernels=True)
     runner = Runner(model, chunk=16, use_graphs=False, sample_on_device=False)
     prompt = [7, 300, 12, 45, 99, 1, 250, 31, 8, 77, 400]
 
-    def prefill() -> torch.Tensor:
-        return runner.prefill(prompt, SessionState.new(cfg, DEVICE, torch.bfloat16, 256))
+    def run() -> list[torch.Tensor]:
+        state = SessionState.new(cfg, DEVICE, dtype, 256)
+        out = [runner.prefill(prompt, state)]
+        return out + ([runner.decode(17, state)] if dtype == torch.float32 else [])
+
+    def constexprs() -> dict:
+        with record_launches() as rec:
+            run()  # noted, not run
+        out: dict = {}
+        for r in rec:
+            launch = freeze(r)
+            for k, v in launch.kwargs:
+                out.setdefault((launch.name, k), set()).add(v)
+        return out
 
     forced(None)
-    default = prefill()
+    tables = constexprs()
+    default = run()
     forced("sm_89")
-    with record_launches() as rec:
-        prefill()  # noted, not run
-    flash = {freeze(r).kwargs for r in rec if freeze(r).name == "_flash_kernel"}
-    assert {(dict(k)["BM"], dict(k)["BN"], dict(k)["num_warps"]) for k in flash} == {(64, 32, 4)}
-    fallback = prefill()
-    assert rel_err(fallback, default) < 1e-2
-    assert int(fallback.argmax()) == int(default.argmax())
+    fallback_tables = constexprs()
+    for key, (h200, small) in _DIFFER[dtype].items():
+        assert (tables[key], fallback_tables[key]) == ({h200}, {small}), key
+    assert not any(v - {False} for k, v in fallback_tables.items() if k[1] == "PDL")
+    fallback = run()
+    bound = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    for got, want in zip(fallback, default, strict=True):
+        assert rel_err(got, want) < bound
+        assert int(got.argmax()) == int(want.argmax())
+
+
+def test_deltanet_fallback_columns_same_result(forced):
+    """A 5-token fp32 chunk (a few-token prefill with ``--dtype float32``): without warpgroup
+    MMA the chunked recurrence takes 16 value columns on 8 warps instead of 32 on 4; the
+    output and the new states are those of the default tile and of the fp32 reference."""
+    from tests.ops import test_deltanet_ops as dn
+
+    d = dn.make_inputs(5, dtype=torch.float32, seed=3)
+    want = dn.reference(d)
+    got = {}
+    for name in (None, "sm_89"):
+        forced(name)
+        with record_launches() as rec:
+            dn.run_prefill(d, "chunk")
+        scan = [freeze(r) for r in rec if freeze(r).name == "_chunk_scan_kernel"]
+        got[name] = dn.run_prefill(d, "chunk"), dict(scan[0].kwargs)
+    assert (got[None][1]["BV"], got["sm_89"][1]["BV"]) == (32, 16)
+    assert got["sm_89"][1]["num_warps"] == 8
+    for a, b, ref in zip(got["sm_89"][0], got[None][0], want, strict=True):
+        assert dn.rel(a, b) < 1e-6 and dn.rel(a, ref) < dn.DOT_F32_TOL
+
+
+def test_report_names_the_tables_and_the_fast_paths_of_the_arch_in_use(forced):
+    """The start-up report (lily/runtime/arch_report.py) follows the arch in use: forced to
+    sm_89 on a GPU, PDL and warpgroup MMA are off and the tables are named as forced."""
+    from types import SimpleNamespace
+
+    from lily.runtime.arch_report import fast_paths, kernel_tables
+
+    step = SimpleNamespace(pdl=True, mma=True)
+    runner = SimpleNamespace(model=SimpleNamespace(step_ops=step), use_graphs=True,
+                             device_decode=object())  # fmt: skip
+    engine = SimpleNamespace(model=SimpleNamespace(kernels=True),
+                             engine_cfg=SimpleNamespace(device="cuda"))  # fmt: skip
+    forced("sm_89")
+    paths = fast_paths(runner, "cuda")
+    assert not paths["PDL"] and not paths["warpgroup MMA"] and paths["tensor-core GEMV"]
+    assert kernel_tables(engine) == "sm_89 (forced by --gpu-arch)"
+    forced("sm_90")
+    paths = fast_paths(runner, "cuda")
+    assert paths["PDL"] and paths["warpgroup MMA"]
+    assert kernel_tables(engine) == "sm_90 (forced by --gpu-arch)"
+    engine.model.kernels = False
+    assert kernel_tables(engine) is None

@@ -3,18 +3,24 @@ sm_89, sm_90 and sm_120 on this GPU-less machine and checked against each archit
 limits (shared memory a block, registers, spills): lily/ops/matrix.py compiles and checks,
 lily/ops/launchable.py says what the engine launches (docs/notes/compile_matrix.md).
 
-Tiers (LILY_COMPILE_MATRIX): ``ci`` (default) covers the full model's default run (4-bit
-checkpoint, bf16) and the tiny test model, less three multi-row GEMVs that take minutes
-to compile (see ``slow``); ``full`` adds those, the 8-bit checkpoints and fp32
-activations.
+Tiers (LILY_COMPILE_MATRIX):
+- ``ci`` (default): the engine's default run (the full model, 4-bit checkpoint, bf16) and
+  the tiny test model, every config on all five archs. A config whose Triton cache key
+  (Triton, the kernel's source and callees, constexprs, options, target) is in
+  ``STORED`` takes its stored result; the others are compiled. A change to a kernel or a
+  table therefore compiles exactly the configs it changes.
+- ``full``: also the 8-bit checkpoints and fp32 activations, every config compiled afresh.
+LILY_COMPILE_MATRIX_SAVE=1 writes this run's results to ``STORED`` (run it with the ``ci``
+tier after changing a kernel, and commit the file).
 Compiles run in two spawned worker processes (the interpreter the other CPU tests use
-cannot compile) and land in Triton's cache, so a second run is quick.
+cannot compile) and land in Triton's cache too.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -28,24 +34,21 @@ from lily.ops.launchable import (
     configs,
     model_config,
 )
-from lily.ops.matrix import Launch, Result, check_all, compile_pool, problems, report
+from lily.ops.matrix import (
+    Result,
+    check_all,
+    compile_pool,
+    load_results,
+    problems,
+    report,
+    save_results,
+)
 
 TIER = os.environ.get("LILY_COMPILE_MATRIX", "ci")
 TIERS = {"ci": VARIANTS[:2], "full": VARIANTS}
 if TIER not in TIERS:
     raise ValueError(f"LILY_COMPILE_MATRIX must be one of {sorted(TIERS)}, got {TIER!r}")
-
-
-def slow(launch: Launch) -> bool:
-    """The multi-row GEMV (a prefill chunk of 2-8 tokens) unrolls its rows times its K
-    steps; from 32 tile bodies (8 rows at K = 2,048, 4 or 8 at K = 4,096) one compile
-    takes 10-160 CPU-seconds (docs/notes/compile_matrix.md): the ``full`` tier only. The
-    same kernel at fewer bodies stays in ``ci``; none nears a limit (<= 1 KiB of shared
-    memory, <= 128 registers, no spills)."""
-    if launch.name != "_qgemv_kernel":
-        return False
-    kw = dict(launch.kwargs)
-    return kw["BLOCK_T"] * kw["groups_per_split"] // kw["BLOCK_G"] >= 32
+STORED = Path(__file__).with_name("compile_matrix_results.json")
 
 
 @pytest.fixture(scope="session")
@@ -58,19 +61,25 @@ _results: dict[str, list[Result]] = {}
 
 
 def matrix_results(arch: str, pool) -> list[Result]:
-    """The tier's configs for ``arch``, compiled and checked once a session."""
+    """The tier's configs for ``arch``, compiled (or taken from ``STORED``) and checked
+    once a session."""
     if arch not in _results:
         t0 = time.perf_counter()
         found = configs(TIERS[TIER], ARCHS[arch])
-        jobs = [(launch, where) for launch, where in found.values()
-                if TIER == "full" or not slow(launch)]  # fmt: skip
-        res = check_all([(launch, arch) for launch, _ in jobs], pool)
+        jobs = list(found.values())
+        stored = load_results(STORED) if TIER == "ci" else {}
+        res = check_all([(launch, arch) for launch, _ in jobs], pool, stored)
         for r, (_, where) in zip(res, jobs, strict=True):
             r.cases = where
         cpu = sum(r.seconds for r in res)
-        print(f"\n{arch}: {len(res)} configs ({TIER} tier), {cpu:.0f} CPU-s of compiles, "
+        kept = sum(r.stored for r in res)
+        print(f"\n{arch}: {len(res)} configs ({TIER} tier), {kept} stored, "
+              f"{len(res) - kept} compiled in {cpu:.0f} CPU-s, "
               f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
         _results[arch] = res
+        if os.environ.get("LILY_COMPILE_MATRIX_SAVE") and len(_results) == len(ARCHS):
+            n = save_results(STORED, [r for rs in _results.values() for r in rs])
+            print(f"{n} results written to {STORED}")
     return _results[arch]
 
 
@@ -149,3 +158,28 @@ def test_configs_dedupe_only_specializations():
     flash = [k for k in keys if k[1] == "_flash_kernel"]
     assert {dict(k[2])["IS_SPLIT"] for k in flash} == {False, True}
     assert config_key(found[flash[0]][0]) == flash[0]
+
+
+def test_stored_results_stand_for_a_compile(pool):
+    """A stored result is taken only under the launch's own Triton key (one key per arch),
+    and where ``STORED`` has that key its figures are the ones compiling gives."""
+    launch = next(launch for launch, _ in configs([Variant("tiny")], DEFAULT).values()
+                  if launch.name == "_embedding_kernel")  # fmt: skip
+    stored = load_results(STORED)
+    assert stored, f"{STORED} is missing or empty"
+    keys = set()
+    for arch in ARCHS:
+        (fresh,) = check_all([(launch, arch)], pool)
+        assert fresh.error is None and fresh.key and not fresh.stored
+        keys.add(fresh.key)
+        entry = stored.get(fresh.key)
+        if entry is not None:  # (absent only where the kernel changed since it was saved)
+            assert (entry["shared"], entry["regs"], entry["stack"]) == (
+                fresh.shared, fresh.regs, fresh.stack)  # fmt: skip
+        fake = {fresh.key: {"key": fresh.key, "arch": arch, "shared": 12345, "regs": 7}}
+        (got,) = check_all([(launch, arch)], pool, fake)
+        assert got.stored and (got.shared, got.regs, got.key) == (12345, 7, fresh.key)
+        other = "sm_90" if arch != "sm_90" else "sm_89"
+        (miss,) = check_all([(launch, other)], pool, fake)
+        assert not miss.stored and miss.shared != 12345
+    assert len(keys) == len(ARCHS)
