@@ -209,17 +209,16 @@ def test_moe_prefill_fallback_tile_same_result(forced, poison):
 # (kernel, constexpr): (sm_90's, sm_89's)
 _DIFFER = {
     torch.bfloat16: {("_flash_kernel", "BM"): (128, 64), ("_flash_kernel", "BN"): (64, 32)},
-    torch.float32: {("_flash_kernel", "BN"): (32, 16), ("_attn_decode_kernel", "BN"): (64, 32)},
-}  # fmt: skip
+    torch.float32: {("_flash_kernel", "BN"): (32, 16)},
+}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_tiny_model_same_outputs_with_the_fallback(forced, dtype):
     """The tiny model through the runner on the kernels (interpreter) with sm_89's tables
-    and switches against the default's: an 11-token prompt (and in fp32 a decode step)
-    gives the same logits. In bf16 the flash tile is 64 x 32 on 4 warps instead of 128 x 64
-    on 8 (the decode's tables are the same); in fp32 the flash tile and the decode's key
-    step are halved (what 99 KiB GPUs need)."""
+    and switches against the default's: an 11-token prompt gives the same logits. The
+    flash tile is 64 x 32 on 4 warps instead of 128 x 64 on 8 in bf16, 32 x 16 instead of
+    32 x 32 in fp32 (what 99 KiB GPUs need); the other tables agree at these shapes."""
     import tempfile
 
     from lily.checkpoint import TINY_TEXT_CONFIG, write_random_checkpoint
@@ -238,9 +237,7 @@ def test_tiny_model_same_outputs_with_the_fallback(forced, dtype):
     prompt = [7, 300, 12, 45, 99, 1, 250, 31, 8, 77, 400]
 
     def run() -> list[torch.Tensor]:
-        state = SessionState.new(cfg, DEVICE, dtype, 256)
-        out = [runner.prefill(prompt, state)]
-        return out + ([runner.decode(17, state)] if dtype == torch.float32 else [])
+        return [runner.prefill(prompt, SessionState.new(cfg, DEVICE, dtype, 256))]
 
     def constexprs() -> dict:
         with record_launches() as rec:
@@ -286,6 +283,27 @@ def test_deltanet_fallback_columns_same_result(forced):
     assert got["sm_89"][1]["num_warps"] == 8
     for a, b, ref in zip(got["sm_89"][0], got[None][0], want, strict=True):
         assert dn.rel(a, b) < 1e-6 and dn.rel(a, ref) < dn.DOT_F32_TOL
+
+
+def test_attention_decode_fallback_keys_same_result(forced):
+    """One fp32 decode token over 299 cached rows (split blocks of 64): on 99 KiB GPUs the
+    kernel takes 32 keys a step instead of 64 (148 KiB of shared memory at Dh 256); the
+    output is the default's and the fp32 reference's."""
+    from tests.ops import test_attention_ops as at
+
+    d = at.make_inputs(1, 320, h=16, dtype=torch.float32, seed=3)
+    at.fill_cache(d, 299)
+    want = at.reference(d, 299, slice(0, 1))[0][0]
+    got = {}
+    for name in (None, "sm_89"):
+        forced(name)
+        with record_launches() as rec:
+            at.decode(d, 0, 299)
+        kw = next(dict(freeze(r).kwargs) for r in rec if freeze(r).name == "_attn_decode_kernel")
+        got[name] = at.decode(d, 0, 299), kw["BN"], kw["IS_SPLIT"]
+    assert got[None][1:] == (64, True) and got["sm_89"][1:] == (32, True)
+    assert at.rel(got["sm_89"][0], got[None][0]) < 1e-6
+    assert at.rel(got["sm_89"][0], want) < at.DOT_F32_TOL
 
 
 def test_report_names_the_tables_and_the_fast_paths_of_the_arch_in_use(forced):
