@@ -247,6 +247,9 @@ def problems(res: Result) -> list[str]:
 def _worker_init(cache_dir: str | None) -> None:
     # Compiled kernels, not the interpreter, and (for timing) an empty cache if asked.
     os.environ.pop("TRITON_INTERPRET", None)
+    # Each arch as its own GPU compiles it: warpgroup MMA on sm_90 even where a forced
+    # fallback (LILY_GPU_ARCH, lily.ops.arch.force_arch) turned it off in this process.
+    os.environ.pop("DISABLE_MMA_V3", None)
     if cache_dir:
         os.environ["TRITON_CACHE_DIR"] = cache_dir
     torch.set_num_threads(1)

@@ -183,3 +183,19 @@ def test_stored_results_stand_for_a_compile(pool):
         (miss,) = check_all([(launch, other)], pool, fake)
         assert not miss.stored and miss.shared != 12345
     assert len(keys) == len(ARCHS)
+
+
+def test_workers_compile_each_arch_as_its_gpu_does(pool, monkeypatch):
+    """Workers spawned while a forced fallback turned warpgroup MMA off in this process
+    (LILY_GPU_ARCH=sm_89 on an H200 sets DISABLE_MMA_V3) still compile sm_90 as an H200
+    does: the same Triton key as the default pool's."""
+    from lily.ops.matrix import launch_key
+
+    launch = next(launch for launch, _ in configs([Variant("tiny")], DEFAULT).values()
+                  if launch.name == "_embedding_kernel")  # fmt: skip
+    want = pool.executor.submit(launch_key, launch, "sm_90").result()
+    monkeypatch.setenv("DISABLE_MMA_V3", "1")
+    with compile_pool(1) as forced_pool:
+        got = forced_pool.executor.submit(launch_key, launch, "sm_90").result()
+        assert forced_pool.executor.submit(os.getenv, "DISABLE_MMA_V3").result() is None
+    assert got == want
