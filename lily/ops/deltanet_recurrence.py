@@ -60,8 +60,17 @@ def _scan_kernel(
     tl.store(p_s, b_S, mask=m_s)
 
 
+# NOTE: T is never specialized in the chunked kernels. Triton makes an int argument equal to
+# 1 a constant; compiled so for sm_90 by Triton 3.6, these kernels (tensor-core products over
+# chunks padded past T) made illegal memory accesses on the H200 (a one-token piece: the
+# chunk "4 tokens, snapshot cuts at 1 and 2" of every fresh chat prompt of 4 tokens, and
+# a 1-token chunk; the same launches with T not specialized are correct). The token scan
+# was fine. tests/ops/test_deltanet_ops.py::test_prefill_one_token_pieces_cuda.
+_NO_T = ["T"]
+
+
 @launched
-@triton.jit(do_not_specialize=["shift"])
+@triton.jit(do_not_specialize=[*_NO_T, "shift"])
 def _chunk_wy_kernel(
     y, g, beta, w, u, T, shift, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     VD: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BVD: tl.constexpr, NSQ: tl.constexpr,
@@ -146,7 +155,7 @@ def _chunk_wy_kernel(
 
 
 @launched
-@triton.jit(do_not_specialize=["shift", "cut_chunk"])
+@triton.jit(do_not_specialize=[*_NO_T, "shift", "cut_chunk"])
 def _chunk_scan_kernel(
     y, g, w, u, state, snap, z, norm_w, o_buf, T, shift, cut_chunk, stride_z, eps,
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, VD: tl.constexpr, BT: tl.constexpr,
@@ -221,7 +230,7 @@ def _chunk_scan_kernel(
 
 
 @launched
-@triton.jit
+@triton.jit(do_not_specialize=_NO_T)
 def _chunk_state_kernel(
     y, g, w, u, state, h, vn, T, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     VD: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -261,7 +270,7 @@ def _chunk_state_kernel(
 
 
 @launched
-@triton.jit
+@triton.jit(do_not_specialize=_NO_T)
 def _chunk_out_kernel(
     y, g, h, vn, z, norm_w, out, T, stride_z, eps, HK: tl.constexpr, HV: tl.constexpr,
     K: tl.constexpr, VD: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BVD: tl.constexpr,

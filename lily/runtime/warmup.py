@@ -211,16 +211,17 @@ def warm_up(engine, *, progress: bool = True, force: bool = False,
     variants = sampling_variants(engine.generation_defaults) if runner.device_decode else []
     before = kernel_variants()
     bar = _bar(len(probes) + len(starts) * (1 + len(variants)), progress)
+    cuda = torch.device(engine.engine_cfg.device).type == "cuda"
     t0 = time.perf_counter()
     with torch.inference_mode():
         scratch = SessionState.new(engine.cfg, engine.engine_cfg.device, engine.dtype,
                                    engine.max_context)  # fmt: skip
         for p in probes:
-            _prefill(runner, scratch, p, engine.cfg.vocab_size)
+            run_probe(runner, scratch, p, engine.cfg.vocab_size, cuda)
             bar.update(1)
         del scratch
-        _decode_steps(engine, starts, variants, context, bar)
-        if torch.device(engine.engine_cfg.device).type == "cuda":
+        _decode_steps(engine, starts, variants, context, bar, cuda)
+        if cuda:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()  # the scratch state and its chunks' temporaries
     bar.close()
@@ -240,8 +241,9 @@ def warm_up(engine, *, progress: bool = True, force: bool = False,
     return report
 
 
-def _prefill(runner, scratch: SessionState, p: Probe, vocab: int) -> None:
-    """One probe on the scratch state (its contents do not matter, only its shapes)."""
+def run_probe(runner, scratch: SessionState, p: Probe, vocab: int, sync: bool) -> None:
+    """One probe on the scratch state (its contents do not matter, only its shapes);
+    ``sync``: wait for the device after it."""
     for s in scratch.deltanet.values():  # keep the scratch recurrence bounded
         s.conv.zero_()
         s.recurrent.zero_()
@@ -251,13 +253,17 @@ def _prefill(runner, scratch: SessionState, p: Probe, vocab: int) -> None:
     ids = [(7 * i + 11) % vocab for i in range(p.tokens)]
     try:
         runner.prefill_snapshots(ids, scratch, [p.start + c for c in p.cuts])
+        if sync:
+            # NOTE: a fault is reported at the next synchronisation; waiting here names the
+            # probe that caused it (the warm-up is bound by compiles, not by this wait).
+            torch.cuda.synchronize()
     except Exception as e:
         raise RuntimeError(f"warm-up: a {p.tokens}-token chunk at position {p.start} (cuts "
                            f"{list(p.cuts)}) failed: {type(e).__name__}: {e}") from e  # fmt: skip
 
 
 def _decode_steps(engine, starts: list[int], variants: list[SamplingParams], context: int,
-                  bar) -> None:  # fmt: skip
+                  bar, cuda: bool) -> None:  # fmt: skip
     """Decode steps on the working state at ``starts`` (capturing the graphs a request will
     replay), each unsampled and with each sampler structure; the state is put back."""
     state, runner = engine.state, engine.runner
@@ -276,6 +282,14 @@ def _decode_steps(engine, starts: list[int], variants: list[SamplingParams], con
                 else:
                     runner.device_decode.start(params, [tok], logits)
                     runner.decode_sampled(state)
+                if cuda:  # as in run_probe: a fault names its step
+                    try:
+                        torch.cuda.synchronize()
+                    except Exception as e:
+                        raise RuntimeError(
+                            f"warm-up: a decode step at position {s} "
+                            f"({params or 'unsampled'}) failed: {e}"
+                        ) from e
                 state.restore(snap, length)
                 bar.update(1)
     finally:
