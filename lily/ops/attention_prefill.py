@@ -18,10 +18,13 @@ Kernels:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
+from lily.ops.arch import DEFAULT, Arch, current_arch
 from lily.ops.launch import cdiv, check, launched, pow2
 from lily.ops.norm_rope import rms_rope_rows, sigmoid
 
@@ -201,17 +204,46 @@ def _flash_combine_kernel(
     tl.store(p_out, b_o.to(out.dtype.element_ty), mask=m_rd)
 
 
-SMEM_PER_SM = 227 * 1024  # usable shared memory of an SM (H100/H200)
+@dataclass(frozen=True)
+class FlashTile:
+    """One flash program: ``block_m`` query rows (tokens times the G heads of a KV head),
+    ``block_n`` keys a step, its warps and pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
 
 
-def flash_per_sm(block_m: int, block_n: int, dh: int, warps: int, stages: int, cache) -> int:
-    """Flash programs resident on one SM: shared memory holds the Q tile and ``stages``
-    K and V tiles; the kernel takes nearly all 255 registers a thread, so 8 warps an SM
-    by registers. At Dh 256 (sm_90, compiled): 64 x 32 at 4 warps 96 KB (2 an SM), 128 x 32
-    at 8 warps 128 KB (1 an SM)."""
+def flash_tile(arch: Arch, elem_bytes: int = 2) -> FlashTile:
+    """The flash tile of an architecture and KV-cache element size (the compile matrix
+    checks each fits).
+
+    H200: 128 query rows x 64 keys on 8 warps (two warpgroups), 2 stages: faster than
+    64 x 32 on 4 warps at every chunk and history measured, 3-8% (H200,
+    bench/results/attn_tiles_all_h200.json); at Dh 256 it takes 192 KiB of shared memory
+    on sm_90 and 144 KiB with MMAv2, so sm_80 (163 KiB) keeps it. With 99 KiB a block
+    (sm_86, sm_89, sm_120) 64 x 32 on 4 warps, 2 stages: 68 KiB, at most 24 bytes of
+    spills (64 x 64 took 104 KiB, 128 x 32 104 KiB, 128 x 64 on one stage 112 KiB).
+    An fp32 cache (``--dtype float32``) doubles every K/V tile: 128 x 64 took 384 KiB on
+    sm_90 (it could not launch on the H200 either); 32 x 32 on 4 warps takes 100 KiB and
+    32 x 16 66 KiB, neither spills."""
+    if elem_bytes > 2:
+        return FlashTile(32, 32, 4, 2) if arch.big_smem else FlashTile(32, 16, 4, 2)
+    if arch.big_smem:
+        return FlashTile(128, 64, 8, 2)
+    return FlashTile(64, 32, 4, 2)
+
+
+def flash_per_sm(block_m: int, block_n: int, dh: int, warps: int, stages: int, cache,
+                 smem: int = DEFAULT.smem) -> int:  # fmt: skip
+    """Flash programs resident on one SM with ``smem`` bytes of shared memory: it holds the
+    Q tile and ``stages`` K and V tiles; the kernel takes nearly all 255 registers a
+    thread, so 8 warps an SM by registers. At Dh 256 (sm_90, compiled): 64 x 32 at 4 warps
+    96 KB (2 an SM), 128 x 32 at 8 warps 128 KB (1 an SM)."""
     e = cache.element_size()
-    smem = block_m * dh * e + stages * 2 * block_n * dh * e
-    return max(1, min(SMEM_PER_SM // smem, 8 // warps))
+    tile = block_m * dh * e + stages * 2 * block_n * dh * e
+    return max(1, min(smem // tile, 8 // warps))
 
 
 PART_BYTES = 128 * 2**20  # cap on the split partials of one call (fp32, all shares)
@@ -255,12 +287,10 @@ def attention_prefill(
     inv_freq: Tensor,
     eps: float = 1e-6,
     *,
-    # 128 query rows x 64 keys on 8 warps (two warpgroups): faster than 64 x 32 on 4 warps
-    # at every chunk and history measured, 3-8% (H200, bench/results/attn_tiles_all_h200.json)
-    block_m: int = 128,
-    block_n: int = 64,
-    num_warps: int = 8,
-    num_stages: int = 2,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     split: int | None = None,
 ) -> Tensor:
     """Gated causal attention of T tokens at positions [start, start+T) (MODEL.md).
@@ -270,7 +300,8 @@ def attention_prefill(
     [start, start+T) written here; start an int or one-element int device tensor (then the
     caller guarantees start + T <= T_max); inv_freq (R/2,) fp32 from ``rope_inv_freq``.
     Returns (T, H*Dh) in qg's dtype. ``split``: key splits (partials merged by a second
-    kernel); by default ``flash_split`` picks them when start is an int, else 1.
+    kernel); by default ``flash_split`` picks them when start is an int, else 1. The tile
+    (``block_m`` ... ``num_stages``) is ``flash_tile`` of the architecture unless given.
     """
     _check(
         k_cache.dim() == 3
@@ -292,6 +323,12 @@ def attention_prefill(
     _check(t > 0, "empty chunk (T = 0)")
     _check(h % hkv == 0, lambda: f"{h} query heads do not group over {hkv} KV heads")
     g = h // hkv
+    arch = current_arch(qg.device)
+    tile = flash_tile(arch, k_cache.element_size())
+    block_m = block_m or tile.block_m
+    block_n = block_n or tile.block_n
+    num_warps = num_warps or tile.num_warps
+    num_stages = num_stages or tile.num_stages
     # qg, k and v may be column slices of one fused projection output (rows contiguous)
     for name, x in (("k", k), ("v", v)):
         _check(
@@ -320,7 +357,8 @@ def attention_prefill(
         )
         if split is None and qg.is_cuda:
             n_sm = torch.cuda.get_device_properties(qg.device).multi_processor_count
-            per_sm = flash_per_sm(block_m, block_n, dh, num_warps, num_stages, k_cache)
+            per_sm = flash_per_sm(block_m, block_n, dh, num_warps, num_stages, k_cache,
+                                  arch.smem)  # fmt: skip
             cap = max(1, PART_BYTES // (t * h * dh * 4))
             split = flash_split(q_blocks * hkv, start + t, n_sm * per_sm, block_n, min(16, cap))
         # NOTE: an int start goes to the kernels as an argument: a device copy of it cost

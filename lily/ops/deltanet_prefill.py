@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.ops.arch import Arch, current_arch
 from lily.ops.deltanet_decode import deltanet_gates
 from lily.ops.deltanet_recurrence import recurrence
 from lily.ops.launch import cdiv, check, launched, pow2
@@ -120,6 +121,17 @@ def _prep_kernel(
             tl.store(conv_snap + p_w, b_s.to(conv_snap.dtype.element_ty), mask=m_wc)
         tl.debug_barrier()
         tl.store(conv_state + p_w, b_n.to(conv_state.dtype.element_ty), mask=m_wc)
+
+
+def chunk_tile(arch: Arch, elem_bytes: int = 2) -> tuple[int, int | None]:
+    """(value columns a program, warps; None: the recurrence's own choice) of the "chunk"
+    recurrence: 32 columns, no spills at K = Vd = 128 in bf16 (mixer_kernels.md). fp32
+    inputs (a 2-8 token chunk with ``--dtype float32``) spilled 576-648 B a thread without
+    warpgroup MMA (sm_80 to sm_120): 16 columns on 8 warps there, 84 KiB and at most
+    112 B. The columns of the state are independent: the same maths either way."""
+    if elem_bytes > 2 and not arch.wgmma:
+        return 16, 8
+    return 32, None
 
 
 def _check(cond: bool, msg) -> None:
@@ -255,6 +267,10 @@ def deltanet_prefill(
     dims = {"HK": hk, "HV": hv, "K": kd, "VD": vd, "BK": bk}
 
     # 2. the recurrence (+ the norm where a program sees whole heads)
+    if method == "chunk":
+        tile_v, tile_warps = chunk_tile(current_arch(dev), mixed_qkv.element_size())
+        block_v = block_v or tile_v
+        num_warps = num_warps or tile_warps
     if block_v is None:
         # no register spills at the real shapes (K = Vd = 128, sm_90): see mixer_kernels.md
         block_v = 16 if method == "scan" else 32

@@ -3,12 +3,14 @@ small integer helpers, and programmatic-dependent-launch options."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 
 import torch
 import triton
 
+from lily.ops.arch import current_arch
 from lily.quant import QuantWeight
 
 Tensor = torch.Tensor
@@ -102,8 +104,9 @@ def pdl_launch(pdl: bool) -> dict:
 
 
 def use_pdl(pdl: bool, device: torch.device) -> bool:
-    """PDL only on a CUDA device of compute capability 9.0 or newer (a no-op elsewhere)."""
-    return pdl and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    """PDL only where the architecture in use has it (sm_90 and newer, unless a fallback is
+    forced; see lily.ops.arch), never on the CPU (a no-op elsewhere)."""
+    return pdl and device.type != "cpu" and current_arch(device).pdl
 
 
 # ---------------------------------------------------------------- fast repeat launches
@@ -204,6 +207,9 @@ class Launched:
         return tuple(out)
 
     def launch(self, grid, args: tuple, kwargs: dict) -> None:
+        if _recording is not None:  # the compile matrix: note the launch, run nothing
+            _recording.append((self, grid, args, kwargs))
+            return
         if not self.fast or _hooked():
             self.fn[grid](*args, **kwargs)
             return
@@ -230,3 +236,21 @@ class Launched:
 def launched(fn) -> Launched:
     """Decorator over ``@triton.jit`` for kernels launched from the host (see Launched)."""
     return Launched(fn)
+
+
+# (kernel, grid, args, kwargs) of each launch while ``record_launches`` is active
+_recording: list | None = None
+
+
+@contextlib.contextmanager
+def record_launches():
+    """Inside, every ``Launched`` kernel records its launch instead of running; yields the
+    list of ``(Launched, grid, args, kwargs)``. The compile matrix (lily/ops/matrix.py)
+    calls the public ops on meta tensors under it, so it sees exactly the arguments, dtypes
+    and constexprs the launchers pass."""
+    global _recording
+    outer, _recording = _recording, []
+    try:
+        yield _recording
+    finally:
+        _recording = outer

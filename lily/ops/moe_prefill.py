@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.ops.arch import DEFAULT, Arch, current_arch
 from lily.ops.launch import cdiv, check_weight, check_x, launched, mask_lo, pow2
 from lily.ops.moe_decode import check_moe_weights, check_shared
 from lily.ops.moe_decode_parts import topk_rows
@@ -291,7 +292,9 @@ class MoePrefillConfig:
 
 
 @functools.lru_cache(maxsize=1024)  # tiles are pure functions of the shape
-def moe_prefill_config(t: int, top_k: int, n_experts: int) -> MoePrefillConfig:
+def moe_prefill_config(
+    t: int, top_k: int, n_experts: int, arch: Arch = DEFAULT
+) -> MoePrefillConfig:
     """Tiles from the mean rows per expert, measured on the H200 at the real shapes
     (lily/bench/gpu/kernels/tile_sweep.py, bench/results/tile_sweep_h200_run1.json): the
     gate/up tile of 64 x 64 (4 warps, 4 stages) at 52 rows per expert took 561 us a layer
@@ -305,11 +308,16 @@ def moe_prefill_config(t: int, top_k: int, n_experts: int) -> MoePrefillConfig:
         return MoePrefillConfig(bm, GemmConfig(bm, 64, 128, 4, 4), GemmConfig(bm, 64, 128, 4, 4))
     if bm == 64:
         return MoePrefillConfig(bm, GemmConfig(bm, 64, 64, 4, 4), GemmConfig(bm, 128, 64, 8, 3))
+    if not arch.wgmma:
+        # Without warpgroup MMA the gate/up tile's two 128 x 128 fp32 accumulators spill
+        # (about 2 KB a thread, sm_80 to sm_120) and it takes 128 KiB of shared memory: half
+        # the rows and half the K step fit in 48 KiB with no spills (compile matrix).
+        return MoePrefillConfig(bm, GemmConfig(bm, 64, 64, 8, 3), GemmConfig(bm, 128, 64, 8, 3))
     return MoePrefillConfig(bm, GemmConfig(bm, 128, 128, 8, 3), GemmConfig(bm, 128, 64, 8, 3))
 
 
 @functools.lru_cache(maxsize=1024)  # tiles are pure functions of the shape
-def router_gemm_config(t: int, group_size: int) -> GemmConfig:
+def router_gemm_config(t: int, group_size: int, arch: Arch = DEFAULT) -> GemmConfig:
     """Tile of the router GEMM (E = 256 rows): 64 rows and at most 64 tokens a program, so
     short prompts still spread over 32-64 programs (the dense table's 128 x 128 tile gave 4
     programs at T = 256, each dequantizing half the router twice on one SM)."""
@@ -371,7 +379,8 @@ def moe_prefill(
         return out if norm_weight is None else (out, torch.empty_like(x))
     x = x.contiguous()
     residual = residual.contiguous() if residual is not None else None
-    cfg = config or moe_prefill_config(t, top_k, e)
+    arch = current_arch(x.device)
+    cfg = config or moe_prefill_config(t, top_k, e, arch)
     bm = cfg.block_m
     for c in (cfg.gate_up, cfg.down):
         if c.block_k % gate.group_size:
@@ -384,7 +393,7 @@ def moe_prefill(
 
     # 1-2. router logits, top-k, weights, ranks inside each expert.
     logits = torch.empty((t, e), dtype=torch.float32, device=dev)
-    launch_qgemm(x, router, logits, router_gemm_config(t, router.group_size), split_w=True)
+    launch_qgemm(x, router, logits, router_gemm_config(t, router.group_size, arch), split_w=True)
     ids = torch.empty((t, top_k), dtype=torch.int32, device=dev)
     rank = torch.empty((t, top_k), dtype=torch.int32, device=dev)
     wts = torch.empty((t, ks), dtype=torch.float32, device=dev)
