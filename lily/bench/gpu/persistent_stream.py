@@ -192,7 +192,7 @@ persistent_stream(const unsigned char* arena, const int4* chunks, const int* fir
       const uint4* src = (const uint4*)(smem + (long long)s * CHUNK);
       // The loop runs warp by warp (a lane past the chunk reads zeros): mma.sync.aligned
       // needs every lane of the warp at the same instruction, and a chunk of fewer than
-      // 16 * 32 bytes a warp left lanes out (the kernel hung on the H200 with 64-byte chunks).
+      // 16 * 32 bytes a warp left lanes out (its GPU test with 64-byte chunks hung on the H200).
 #pragma unroll 4
       for (int j0 = t - lane; j0 < bytes / 16; j0 += NCW * 32) {
         const int j = j0 + lane;
