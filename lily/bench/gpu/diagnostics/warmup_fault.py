@@ -35,17 +35,14 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: this script hunts a GPU fault", file=sys.stderr)
         return 2
-    from lily.bench.gpu.full_model import FULL, full_params, write_json
+    from lily.bench.gpu.full_model import FULL, full_params, kernel_engine, write_json
     from lily.bench.gpu.op_hooks import hook_ops
-    from lily.bench.source import engine_from_params
     from lily.config import EngineConfig
     from lily.runtime import warmup
     from lily.runtime.state import SessionState
 
     chunk = args.chunk or EngineConfig.prefill_chunk
-    ecfg = EngineConfig(device="cuda", dtype="bfloat16", use_kernels=True, prefill_chunk=chunk,
-                        max_context=args.max_context, prefix_cache_gb=0.0)  # fmt: skip
-    engine = engine_from_params(FULL, full_params(), ecfg, name="random full")
+    engine = kernel_engine(full_params(), chunk, args.max_context)
     probes = warmup.prefill_probes(FULL, chunk, engine.max_context)
     chosen = [int(i) for i in args.only.split(",") if i] or list(range(len(probes)))
     print(f"{len(probes)} probes (chunk {chunk}); running {len(chosen)}", flush=True)
