@@ -98,7 +98,8 @@ def linear(x: Tensor, w: Weight, k: Kernels | None, residual: Tensor | None = No
         return y if residual is None else y + residual
     if isinstance(w, QuantWeight):
         if x.shape[0] <= GEMV_ROWS:
-            gemv = qgemv_mma if k.mma and mma_supports(w) else qgemv
+            # (the tensor-core GEMV takes one row; a batched step's rows take qgemv)
+            gemv = qgemv_mma if k.mma and x.shape[0] == 1 and mma_supports(w) else qgemv
             return gemv(x, w, residual=residual, out_dtype=out_dtype, pdl=k.pdl, **prologue)
         y = qgemm(x, w, out_dtype=out_dtype)
     else:
@@ -152,7 +153,8 @@ def head(x: Tensor, norm_w: Tensor, w: Weight, eps: float, k: Kernels | None) ->
     """fp32 logits (T, V) of the final RMSNorm of x (T, D)."""
     if k is None:
         return ref_linear(rms_norm(x, norm_w, eps), w).float()
-    if k.step and isinstance(w, QuantWeight) and not (k.mma and mma_supports(w)):
+    if k.step and isinstance(w, QuantWeight) and not (k.mma and x.shape[0] == 1
+                                                      and mma_supports(w)):  # fmt: skip
         return linear(x, w, k, out_dtype=torch.float32, norm_weight=norm_w, eps=eps)
     # On the tensor cores the norm gets its own launch: in the GEMV's prologue each of
     # ~7,800 programs redid it (95 against 89 us).
@@ -177,6 +179,30 @@ def deltanet(parts: Sequence[Tensor], w: DeltaNetWeights, conv_state: Tensor, st
                                state, eps, workspace=k.workspace, pdl=k.pdl)  # fmt: skip
     return deltanet_prefill(qkv, z, b, a, w.conv1d, conv_state, w.A_log, w.dt_bias, w.norm,
                             state, eps, cuts=cuts, snaps=snaps)  # fmt: skip
+
+
+def deltanet_rows(parts: Sequence[Tensor], w: DeltaNetWeights, conv_states: Sequence[Tensor],
+                  states: Sequence[Tensor], eps: float, k: Kernels | None) -> Tensor:  # fmt: skip
+    """The DeltaNet mixer for one token of each of B sequences: row r of ``parts`` with
+    ``conv_states[r]`` and ``states[r]`` (each updated in place); (B, Hv*Vd). The maths of
+    ``deltanet`` for one token, per row."""
+    rows = [tuple(p[r : r + 1] for p in parts) for r in range(len(states))]
+    return torch.cat([deltanet(p, w, c, s, eps, k)
+                      for p, c, s in zip(rows, conv_states, states, strict=True)])  # fmt: skip
+
+
+def attention_rows(parts: Sequence[Tensor], w: AttentionWeights,
+                   caches: Sequence[tuple[Tensor, Tensor]], starts: Sequence[int] | Tensor,
+                   max_len: int, cfg: ModelConfig, k: Kernels | None) -> Tensor:  # fmt: skip
+    """Gated attention for one token of each of B sequences: row r of ``parts`` at position
+    ``starts[r]`` (ints, or a (B,) int32 device tensor in a decode step) over its own caches
+    ``caches[r]`` (K, V); (B, H*Dh). ``max_len`` bounds every row's context (a graph's)."""
+    out = []
+    for r, (kc, vc) in enumerate(caches):
+        p = tuple(x[r : r + 1] for x in parts)
+        pos = starts[r : r + 1] if isinstance(starts, Tensor) else starts[r]
+        out.append(attention(p, w, kc, vc, pos, max_len, cfg, k))
+    return torch.cat(out)
 
 
 def attention(parts: Sequence[Tensor], w: AttentionWeights, k_cache: Tensor, v_cache: Tensor,
@@ -219,6 +245,8 @@ def moe(x: Tensor, h: Tensor | None, norm_w: Tensor, m: MoEWeights, next_norm: T
         else:
             y = moe_decode(h[0], *w, top_k=top_k, residual=x[0])
         return y[None], None
+    if h is None:  # a decode step of several rows: no GEMV prologue made the norm
+        h = rmsnorm(x, norm_w, eps)
     if next_norm is None:
         return moe_prefill(h, *w, top_k=top_k, residual=x), None
     return moe_prefill(h, *w, top_k=top_k, residual=x, norm_weight=next_norm, eps=eps)

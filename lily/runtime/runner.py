@@ -16,7 +16,7 @@ import gc
 
 import torch
 
-from lily.model.model import Model
+from lily.model.model import Model, Rows
 from lily.runtime.device_decode import DeviceDecode
 from lily.runtime.state import DeltaNetState
 from lily.transfer import to_device
@@ -147,6 +147,25 @@ class Runner:
             out = self._advance(state, sampled=False).clone()
         self.consumed(state, token_id)
         return out
+
+    def decode_rows(self, token_ids: list[int], states: list) -> torch.Tensor:
+        """One decode step of B sequences at once: consume ``token_ids[r]`` at
+        ``states[r].length`` for every row r; fp32 logits (B, V) of each row's next token.
+        One row takes the single-sequence step (``decode``: its graphs)."""
+        if len(token_ids) != len(states) or not states:
+            raise ValueError(f"{len(token_ids)} tokens for {len(states)} states")
+        if len(states) == 1:
+            return self.decode(token_ids[0], states[0])[None]
+        starts = [self._begin(s, 1)[0] for s in states]
+        bound = max(self._bucket(p, s) for p, s in zip(starts, states, strict=True))
+        with torch.inference_mode():
+            ids = to_device(token_ids, torch.long, self.dev)
+            pos = to_device(starts, torch.int32, self.dev) if self.model.kernels else starts
+            logits, _ = self.model.forward(ids, Rows(states), pos, bound, step=True)
+        for s, p, t in zip(states, starts, token_ids, strict=True):
+            s.length = p + 1
+            self.consumed(s, t)
+        return logits
 
     def decode_sampled(self, state) -> None:
         """One step whose input is the last draw of ``device_decode``, already on the
