@@ -253,6 +253,9 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"  # compute dtype for activations: float32 or bfloat16
     prefill_chunk: int = 8192
+    # Prefill tokens per step while other requests decode: their streams wait for each
+    # such chunk (lily/runtime/batch.py).
+    decode_prefill_chunk: int = 512
     max_context: int | None = 262144  # None: the largest the free memory allows
     load_mtp: bool = False
     quantize_on_load: bool = False  # bf16 HF checkpoints: pack to MLX 4-bit at load

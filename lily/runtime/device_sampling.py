@@ -129,8 +129,11 @@ class DeviceSampler:
         """The tensors' addresses (a graph's key: they must not have moved)."""
         return tuple(t.data_ptr() for t in self.tensors())
 
-    def load(self, params: SamplingParams, prompt_ids: Sequence[int]) -> None:
-        """Start a request: its values into the tensors, the prompt marked as seen."""
+    def load(self, params: SamplingParams, prompt_ids: Sequence[int],
+             generated: Sequence[int] = ()) -> None:  # fmt: skip
+        """Start a request: its values into the tensors, the prompt marked as seen.
+        ``generated``: tokens the request already drew (with this seed): the penalties count
+        them and the next draw is number ``len(generated)`` of the random stream."""
         params.validate()
         s = self.structure = Structure.of(params, self.vocab_size)
         self.temperature.fill_(params.temperature)
@@ -148,6 +151,12 @@ class DeviceSampler:
         self.counts.zero_()
         if s.penalties:
             mark_seen(self.seen, prompt_ids)
+        if generated:
+            ids = torch.as_tensor(list(generated), dtype=torch.long, device=self.device)
+            if s.penalties:
+                mark_seen(self.seen, generated)
+                self.counts.index_add_(0, ids, torch.ones(len(ids), device=self.device))
+            self.step.fill_(len(generated))
 
     def penalized(self, logits: torch.Tensor) -> torch.Tensor:
         """fp32 logits after the repetition, frequency and presence penalties."""

@@ -44,7 +44,9 @@ def test_limit_flags():
     assert (s.max_body_bytes, s.max_prompt_tokens) == (4096, 100)
     assert s.max_request_memory == 3 << 19 and s.drain_timeout == 7
     assert s.thinking_budget == 64
+    assert settings_from_args(parse("--max-running", "3")).max_running == 3
     d = settings_from_args(parse(), environ={})
+    assert d.max_running == 8
     assert d.max_body_bytes == 32 << 20 and d.max_prompt_tokens is None
     assert d.max_request_memory is None and d.thinking_budget is None
 
@@ -55,6 +57,7 @@ def test_limit_flags():
         (["--default-chat-template-kwargs", "{bad"], "--default-chat-template-kwargs"),
         (["--default-chat-template-kwargs", "[1]"], "--default-chat-template-kwargs"),
         (["--queue-size", "-1"], "--queue-size"),
+        (["--max-running", "0"], "--max-running"),
         (["--keepalive", "0"], "--keepalive"),
         (["--api-key", "has space"], "--api-key"),
         (["--max-body-bytes", "100"], "--max-body-bytes"),
