@@ -24,6 +24,9 @@ class Rows:
     next token (each with its own KV caches, DeltaNet states and position)."""
 
     states: Sequence
+    # With the kernels: per layer, the device table of the rows' buffers the batched
+    # mixer kernels read (lily/runtime/rows.py keeps them; None: one launch per row).
+    tables: dict | None = None
 
     def __len__(self) -> int:
         return len(self.states)
@@ -167,9 +170,10 @@ class Model:
     def _mixer_rows(self, i: int, mw, parts: tuple[Tensor, ...], rows: Rows, start,
                     max_len: int, k: ops.Kernels | None) -> Tensor:  # fmt: skip
         """Layer ``i``'s mixer for one token of each row, each on its own state."""
+        table = None if rows.tables is None else rows.tables[i]
         if isinstance(mw, DeltaNetWeights):
             sts = [s.deltanet[i] for s in rows.states]
             return ops.deltanet_rows(parts, mw, [s.conv for s in sts], [s.recurrent for s in sts],
-                                     self.cfg.rms_norm_eps, k)  # fmt: skip
+                                     self.cfg.rms_norm_eps, k, table)  # fmt: skip
         kvs = [(s.kv[i].k, s.kv[i].v) for s in rows.states]
-        return ops.attention_rows(parts, mw, kvs, start, max_len, self.cfg, k)
+        return ops.attention_rows(parts, mw, kvs, start, max_len, self.cfg, k, table)

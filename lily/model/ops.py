@@ -35,9 +35,13 @@ Tensor = torch.Tensor
 # Triton is Linux-only: elsewhere the model runs its reference ops alone.
 HAS_KERNELS = importlib.util.find_spec("triton") is not None
 if HAS_KERNELS:
-    from lily.ops.attention_decode import attention_decode
+    from lily.ops.attention_decode import attention_decode, attention_decode_rows
     from lily.ops.attention_prefill import attention_prefill
-    from lily.ops.deltanet_decode import DeltaNetDecodeWorkspace, deltanet_decode
+    from lily.ops.deltanet_decode import (
+        DeltaNetDecodeWorkspace,
+        deltanet_decode,
+        deltanet_decode_rows,
+    )
     from lily.ops.deltanet_prefill import deltanet_prefill
     from lily.ops.embedding import DTYPES as EMBED_DTYPES
     from lily.ops.embedding import embedding_rows
@@ -51,16 +55,20 @@ if HAS_KERNELS:
     from lily.ops.rmsnorm import add_rmsnorm, rmsnorm
 
 
+MAX_ROWS = 16  # sequences one batched decode step may hold (the DeltaNet scratch's rows)
+
+
 @dataclass(frozen=True, slots=True)
 class Kernels:
     """How the kernels run (see the module docstring) and what they share: the DeltaNet
-    step's workspace and the RoPE frequencies."""
+    step's workspaces (one sequence, and a batched step's rows) and the RoPE frequencies."""
 
     step: bool
     pdl: bool
     mma: bool
     workspace: DeltaNetDecodeWorkspace
     inv_freq: Tensor
+    rows_workspace: DeltaNetDecodeWorkspace
 
     @classmethod
     def new(cls, cfg: ModelConfig, device: torch.device, step: bool, pdl: bool,
@@ -68,10 +76,11 @@ class Kernels:
         """A dispatch with new shared buffers (one per model: the layers run in turn)."""
         if not HAS_KERNELS:
             raise ValueError("the kernel path needs Triton, which is not installed here")
-        workspace = DeltaNetDecodeWorkspace.new(cfg.linear_num_key_heads,
-                                                cfg.linear_num_value_heads,
-                                                cfg.linear_value_head_dim, device)  # fmt: skip
-        return cls(step, pdl, mma, workspace, rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, device))
+        heads = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
+        workspace = DeltaNetDecodeWorkspace.new(*heads, device)
+        rows = DeltaNetDecodeWorkspace.new(*heads, device, rows=MAX_ROWS)
+        inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, device)
+        return cls(step, pdl, mma, workspace, inv_freq, rows)
 
 
 # ---------------------------------------------------------------- linear layers
@@ -101,6 +110,8 @@ def linear(x: Tensor, w: Weight, k: Kernels | None, residual: Tensor | None = No
             # (the tensor-core GEMV takes one row; a batched step's rows take qgemv)
             gemv = qgemv_mma if k.mma and x.shape[0] == 1 and mma_supports(w) else qgemv
             return gemv(x, w, residual=residual, out_dtype=out_dtype, pdl=k.pdl, **prologue)
+        if prologue:  # (a batched decode step of more rows than the GEMV takes)
+            x = rmsnorm(x, prologue["norm_weight"], prologue["eps"])
         y = qgemm(x, w, out_dtype=out_dtype)
     else:
         if prologue:
@@ -182,10 +193,17 @@ def deltanet(parts: Sequence[Tensor], w: DeltaNetWeights, conv_state: Tensor, st
 
 
 def deltanet_rows(parts: Sequence[Tensor], w: DeltaNetWeights, conv_states: Sequence[Tensor],
-                  states: Sequence[Tensor], eps: float, k: Kernels | None) -> Tensor:  # fmt: skip
+                  states: Sequence[Tensor], eps: float, k: Kernels | None,
+                  table: Tensor | None = None) -> Tensor:  # fmt: skip
     """The DeltaNet mixer for one token of each of B sequences: row r of ``parts`` with
     ``conv_states[r]`` and ``states[r]`` (each updated in place); (B, Hv*Vd). The maths of
-    ``deltanet`` for one token, per row."""
+    ``deltanet`` for one token, per row. Kernels with ``table`` (``state_table`` of those
+    states, a device tensor a graph may keep): every row in one launch."""
+    if k is not None and table is not None and len(states) <= MAX_ROWS:
+        qkv, z, b, a = parts
+        return deltanet_decode_rows(qkv, z, b, a, w.conv1d, table, conv_states[0], states[0],
+                                    w.A_log, w.dt_bias, w.norm, eps,
+                                    workspace=k.rows_workspace, pdl=k.pdl)  # fmt: skip
     rows = [tuple(p[r : r + 1] for p in parts) for r in range(len(states))]
     return torch.cat([deltanet(p, w, c, s, eps, k)
                       for p, c, s in zip(rows, conv_states, states, strict=True)])  # fmt: skip
@@ -193,10 +211,16 @@ def deltanet_rows(parts: Sequence[Tensor], w: DeltaNetWeights, conv_states: Sequ
 
 def attention_rows(parts: Sequence[Tensor], w: AttentionWeights,
                    caches: Sequence[tuple[Tensor, Tensor]], starts: Sequence[int] | Tensor,
-                   max_len: int, cfg: ModelConfig, k: Kernels | None) -> Tensor:  # fmt: skip
+                   max_len: int, cfg: ModelConfig, k: Kernels | None,
+                   table: Tensor | None = None) -> Tensor:  # fmt: skip
     """Gated attention for one token of each of B sequences: row r of ``parts`` at position
     ``starts[r]`` (ints, or a (B,) int32 device tensor in a decode step) over its own caches
-    ``caches[r]`` (K, V); (B, H*Dh). ``max_len`` bounds every row's context (a graph's)."""
+    ``caches[r]`` (K, V); (B, H*Dh). ``max_len`` bounds every row's context (a graph's).
+    Kernels with ``table`` (``kv_table`` of those caches): every row in one launch."""
+    if k is not None and table is not None:
+        qg, kk, v = parts
+        return attention_decode_rows(qg, kk, v, w.q_norm, w.k_norm, table, caches[0][0], starts,
+                                     k.inv_freq, cfg.rms_norm_eps, max_len=max_len)  # fmt: skip
     out = []
     for r, (kc, vc) in enumerate(caches):
         p = tuple(x[r : r + 1] for x in parts)

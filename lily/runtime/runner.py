@@ -18,6 +18,7 @@ import torch
 
 from lily.model.model import Model, Rows
 from lily.runtime.device_decode import DeviceDecode
+from lily.runtime.rows import RowBuffers, graph_key
 from lily.runtime.state import DeltaNetState
 from lily.transfer import to_device
 
@@ -43,16 +44,6 @@ def no_gc():
             gc.enable()
 
 
-def graph_key(state) -> tuple:
-    """What a captured step bakes in about the state: every buffer's address and the KV
-    capacity (the attention kernels' row stride). A freed cache's address can come back
-    with another capacity; replaying a graph captured for the old one would then read
-    and write KV rows at the wrong stride."""
-    key = tuple((c.k.data_ptr(), c.v.data_ptr(), tuple(c.k.shape)) for c in state.kv.values())
-    return key + tuple((s.recurrent.data_ptr(), s.conv.data_ptr(), tuple(s.recurrent.shape))
-                       for s in state.deltanet.values())  # fmt: skip
-
-
 class Runner:
     """Chunked prefill and decode of one session state at a time over ``model``.
 
@@ -73,6 +64,7 @@ class Runner:
         # size of a step's temporaries). Safe because steps replay one at a time on one
         # stream and a step's output is read (decode clones it) before another step replays.
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.row_buffers: dict[int, RowBuffers] = {}  # a batched step's inputs, per size
         self.tok = torch.zeros(1, dtype=torch.long, device=self.dev)
         self.pos = torch.zeros(1, dtype=torch.int32, device=self.dev)
         if sample_on_device is None:
@@ -150,8 +142,12 @@ class Runner:
 
     def decode_rows(self, token_ids: list[int], states: list) -> torch.Tensor:
         """One decode step of B sequences at once: consume ``token_ids[r]`` at
-        ``states[r].length`` for every row r; fp32 logits (B, V) of each row's next token.
-        One row takes the single-sequence step (``decode``: its graphs)."""
+        ``states[r].length`` for every row r; fp32 logits (B, V) of each row's next token
+        (with graphs, a buffer the next step overwrites: read it first). One row takes the
+        single-sequence step (``decode``: its graphs). With the kernels every mixer runs
+        once for all rows over tables of their buffers (lily/runtime/rows.py), and with
+        graphs the step is one replay of a graph captured per batch size and context bucket
+        (whichever sequences fill the rows)."""
         if len(token_ids) != len(states) or not states:
             raise ValueError(f"{len(token_ids)} tokens for {len(states)} states")
         if len(states) == 1:
@@ -159,13 +155,54 @@ class Runner:
         starts = [self._begin(s, 1)[0] for s in states]
         bound = max(self._bucket(p, s) for p, s in zip(starts, states, strict=True))
         with torch.inference_mode():
-            ids = to_device(token_ids, torch.long, self.dev)
-            pos = to_device(starts, torch.int32, self.dev) if self.model.kernels else starts
-            logits, _ = self.model.forward(ids, Rows(states), pos, bound, step=True)
+            if not self.model.kernels:
+                ids = to_device(token_ids, torch.long, self.dev)
+                logits, _ = self.model.forward(ids, Rows(states), starts, bound, step=True)
+            else:
+                buf = self._row_buffers(len(states))
+                rows = buf.rows(states)
+                buf.load(token_ids, starts)
+                if self.use_graphs:
+                    graph, logits = self._rows_graph(buf, rows, bound)
+                    graph.replay()
+                else:
+                    logits, _ = self.model.forward(buf.ids, rows, buf.pos, bound, step=True)
         for s, p, t in zip(states, starts, token_ids, strict=True):
             s.length = p + 1
             self.consumed(s, t)
         return logits
+
+    def _row_buffers(self, n: int) -> RowBuffers:
+        buf = self.row_buffers.get(n)
+        if buf is None:
+            buf = self.row_buffers[n] = RowBuffers(self.model.cfg, n, self.dev)
+        return buf
+
+    def _rows_graph(self, buf: RowBuffers, rows: Rows, bound: int):
+        """The captured batched step for ``buf``'s batch size and the context ``bound``."""
+        key = ("rows", buf.n, bound)
+        if key not in self.graphs:
+            states = rows.states
+            snaps = [s.snapshot_recurrent() for s in states]
+
+            def step():
+                return self.model.forward(buf.ids, rows, buf.pos, bound, step=True)[0]
+
+            # Warm up outside the graph (compiles, allocator pools), put the states back.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step()
+            torch.cuda.current_stream().wait_stream(side)
+            for s, snap in zip(states, snaps, strict=True):
+                s.restore(snap, s.length)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.graph_pool):
+                out = step()
+            for s, snap in zip(states, snaps, strict=True):
+                s.restore(snap, s.length)
+            self.graphs[key] = (graph, out)
+        return self.graphs[key]
 
     def decode_sampled(self, state) -> None:
         """One step whose input is the last draw of ``device_decode``, already on the
@@ -224,7 +261,8 @@ class Runner:
             key += dd.ident()
         if key not in self.graphs:
             if len(self.graphs) > 16:  # buffers moved (new state): old graphs are dead
-                self.graphs.clear()
+                for k in [k for k in self.graphs if k[0] != "rows"]:  # (batched ones live on)
+                    del self.graphs[k]
             # Warm up outside the graph (compiles kernels, allocator pools), then put back
             # what it changed: the DeltaNet states, and the token and sampler counters.
             snap = state.snapshot_recurrent()

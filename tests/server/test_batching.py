@@ -14,28 +14,24 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.server.conftest import Server
+from tests.server.conftest import KEYS, MAX_CONTEXT, main_server
 from tests.server.helpers import metrics, sse_events, wait_for
 
 CLIENTS = 16
 MAX_RUNNING = 8
-CONTEXT = 1024
+CONTEXT = MAX_CONTEXT
+AUTH = {"Authorization": f"Bearer {KEYS[0]}"}
 ROUNDS = 3  # requests per client (a conversation's turns, or independent ones)
 RSS_SLACK = 48 << 20
 
 
 @pytest.fixture(scope="module")
 def batch_server(model_dir, tmp_path_factory):
+    """The main server's settings, requests together (and prompts interleaved in chunks
+    of 32 tokens)."""
     log = tmp_path_factory.mktemp("logs") / "batching.log"
-    argv = ["-m", "lily.cli", "serve", "--model", str(model_dir), "--device", "cpu",
-            "--max-context", str(CONTEXT), "--max-running", str(MAX_RUNNING),
-            "--decode-prefill-chunk", "32", "--queue-size", "64"]  # fmt: skip
-    s = Server(argv, log)
-    try:
-        s.health_history()
-        yield s
-    finally:
-        s.stop()
+    yield from main_server(model_dir, log, "--device", "cpu", "--max-running", str(MAX_RUNNING),
+                           "--decode-prefill-chunk", "32", "--queue-size", "64")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +89,7 @@ def client_run(url: str, seed: int, alone, rounds: int = ROUNDS) -> list[str]:
     """One client's requests; the problems seen (empty: all good)."""
     rng = random.Random(seed)
     problems = []
-    with httpx.Client(base_url=url, timeout=120) as c:
+    with httpx.Client(base_url=url, timeout=120, headers=AUTH) as c:
         ids = [rng.randrange(3, 500) for _ in range(rng.choice([3, 20, 150, 400]))]
         continued = False  # this request continues the previous answer
         for turn in range(rounds):
@@ -137,13 +133,13 @@ def test_sixteen_clients_mixed_cancelled_and_continued(batch_server, alone):
     stop = threading.Event()
 
     def watch() -> None:
-        with httpx.Client(base_url=url, timeout=30) as c:
+        with httpx.Client(base_url=url, timeout=30, headers=AUTH) as c:
             while not stop.is_set():
                 running.append(metrics(c)["num_requests_running"])
 
     # warm-up: every path, under concurrency (allocator arenas, the working states)
-    assert run_clients(url, alone, 100, rounds=2) == []
-    with httpx.Client(base_url=url, timeout=30) as c:
+    assert run_clients(url, alone, 100, rounds=1) == []
+    with httpx.Client(base_url=url, timeout=30, headers=AUTH) as c:
         wait_for(lambda: metrics(c)["num_requests_running"] == 0, what="idle")
         before = metrics(c)
     baseline = batch_server.rss()
@@ -155,7 +151,7 @@ def test_sixteen_clients_mixed_cancelled_and_continued(batch_server, alone):
         stop.set()
         watcher.join()
     assert problems == []
-    with httpx.Client(base_url=url, timeout=30) as c:
+    with httpx.Client(base_url=url, timeout=30, headers=AUTH) as c:
         wait_for(lambda: metrics(c)["num_requests_running"] == 0, what="idle")
         after = metrics(c)
     assert after["num_requests_waiting"] == 0

@@ -1,0 +1,67 @@
+"""What a batched decode step of B sequences reads on the device besides the weights: the
+input ids, the positions, and per layer the table of each row's buffers (its K and V cache
+and their capacity, or its DeltaNet conv and recurrent state) that the batched mixer
+kernels read (lily/ops/attention_decode.py ``kv_table``, deltanet_decode.py
+``state_table``).
+
+One set per batch size B, allocated once: a CUDA graph captured over them stays valid for
+any B sequences, whatever their caches; the tables are rewritten (one copy each) only when
+the rows' buffers change (another sequence in a row, a cache grown).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lily.model.model import Rows
+
+
+def graph_key(state) -> tuple:
+    """What a captured step bakes in about the state: every buffer's address and the KV
+    capacity (the attention kernels' row stride). A freed cache's address can come back
+    with another capacity; replaying a graph captured for the old one would then read
+    and write KV rows at the wrong stride."""
+    key = tuple((c.k.data_ptr(), c.v.data_ptr(), tuple(c.k.shape)) for c in state.kv.values())
+    return key + tuple((s.recurrent.data_ptr(), s.conv.data_ptr(), tuple(s.recurrent.shape))
+                       for s in state.deltanet.values())  # fmt: skip
+
+
+class RowBuffers:
+    """The device inputs of a batched step of ``n`` rows over a model's layers."""
+
+    def __init__(self, cfg, n: int, device: torch.device):
+        self.n = n
+        self.ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.pos = torch.zeros(n, dtype=torch.int32, device=device)
+        self.attn = list(cfg.attn_layers)
+        self.linear = list(cfg.linear_layers)
+        self.kv = torch.zeros(len(self.attn), n, 3, dtype=torch.int64, device=device)
+        self.st = torch.zeros(len(self.linear), n, 2, dtype=torch.int64, device=device)
+        self.tables = {i: self.kv[j] for j, i in enumerate(self.attn)}
+        self.tables |= {i: self.st[j] for j, i in enumerate(self.linear)}
+        self._key: tuple | None = None
+        self._states: list = []
+
+    def rows(self, states: list) -> Rows:
+        """``Rows`` of ``states`` over these tables (rewritten when their buffers moved)."""
+        # NOTE: a state's DeltaNet tensors never move (restores copy into them), its KV
+        # caches move when they grow; the states are held below, so an id is not reused.
+        key = tuple((id(s), tuple(c.k.data_ptr() for c in s.kv.values())) for s in states)
+        if key != self._key:
+            kv = [[(s.kv[i].k.data_ptr(), s.kv[i].v.data_ptr(), s.kv[i].capacity) for s in states]
+                  for i in self.attn]  # fmt: skip
+            st = [[(s.deltanet[i].conv.data_ptr(), s.deltanet[i].recurrent.data_ptr())
+                   for s in states] for i in self.linear]  # fmt: skip
+            # NOTE: from pageable memory: the copy is staged before copy_ returns, so the
+            # host lists may go; a replay already queued reads the old tables first.
+            if self.attn:
+                self.kv.copy_(torch.tensor(kv, dtype=torch.int64))
+            if self.linear:
+                self.st.copy_(torch.tensor(st, dtype=torch.int64))
+            self._key, self._states = key, list(states)
+        return Rows(states, self.tables)
+
+    def load(self, token_ids: list[int], starts: list[int]) -> None:
+        """The step's input ids and positions (one copy each)."""
+        self.ids.copy_(torch.tensor(token_ids, dtype=torch.long))
+        self.pos.copy_(torch.tensor(starts, dtype=torch.int32))
