@@ -8,8 +8,8 @@ The batch holds the running sequences (lily/runtime/sequence.py) in arrival orde
    one step ahead of the host), so one request alone runs exactly as it always did. With
    several, a lone one first leaves that mode (a draw in flight is emitted), then one
    batched step (``Runner.decode_rows``) consumes every pending token and each row draws:
-   host samplers row by row, device draws each with the sequence's own sampler and read
-   back in one copy.
+   device draws in the step itself (``decode_rows_drawn``: the runner's rows sampler, in
+   the batched graph, read back in one copy), host samplers row by row from the logits.
 2. prefill: one chunk of the oldest sequence still prefilling, at most
    ``decode_prefill_chunk`` tokens while others decode (their streams wait for it); its
    first token comes at the end of its last chunk.
@@ -110,9 +110,16 @@ class Batch:
             if rows:
                 self._alone(rows[0], outs)
             return
+        runner = self.engine.runner
+        tokens, states = [s.pending for s in rows], [s.state for s in rows]
         try:
-            logits = self.engine.runner.decode_rows([s.pending for s in rows],
-                                                    [s.state for s in rows])  # fmt: skip
+            if any(s.device_draws for s in rows):
+                # (a sequence drawn on the device is drawn in the step itself)
+                loads = [((id(s), len(s.generated)), s.params, s.prompt, s.generated)
+                         if s.device_draws else None for s in rows]  # fmt: skip
+                logits, ids = runner.decode_rows_drawn(tokens, states, loads)
+            else:
+                logits, ids = runner.decode_rows(tokens, states), None
         except Exception as exc:  # noqa: BLE001 - a model fault: the rows it computed fail
             for s in rows:
                 self._fail(s, exc, outs)
@@ -120,22 +127,18 @@ class Batch:
         live = []
         for r, s in enumerate(rows):
             s.pending = None
+            if s.device_draws:
+                s.drawn_elsewhere()  # (its own sampler is behind now)
             if s.cancelled():
                 self._emitted(s, s.cancel(), outs)
             else:
                 live.append((r, s))
-        self._draw(live, logits, outs)
+        self._draw(live, logits, ids, outs)
 
-    def _draw(self, rows: list[tuple[int, Seq]], logits: torch.Tensor, outs: list[Output]):
-        """Each row's token from its logits: device draws first (one copy to the host for
-        all), then in row order accepted or drawn on the host."""
-        ids = None
-        dev = [(r, s) for r, s in rows if s.device_draws]
-        if dev:
-            buf = self._draw_buffer(len(logits), logits.device)
-            for r, s in dev:
-                s.draw_into(logits[r], buf[r : r + 1])
-            ids = buf.tolist()  # one sync for every row
+    def _draw(self, rows: list[tuple[int, Seq]], logits: torch.Tensor, ids: list[int] | None,
+              outs: list[Output]) -> None:  # fmt: skip
+        """Each row's token in row order: the step's device draw accepted, or drawn on
+        the host from the row's logits."""
         for r, s in rows:
             try:
                 out = s.accept(check_token(ids[r])) if s.device_draws else s.emit(logits[r])

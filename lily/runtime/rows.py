@@ -33,6 +33,7 @@ class RowBuffers:
         self.n = n
         self.ids = torch.zeros(n, dtype=torch.long, device=device)
         self.pos = torch.zeros(n, dtype=torch.int32, device=device)
+        self.drawn = torch.zeros(n, dtype=torch.long, device=device)  # the rows' draws
         self.attn = list(cfg.attn_layers)
         self.linear = list(cfg.linear_layers)
         self.kv = torch.zeros(len(self.attn), n, 3, dtype=torch.int64, device=device)

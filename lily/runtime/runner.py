@@ -17,13 +17,17 @@ import gc
 import torch
 
 from lily.model.model import Model, Rows
+from lily.model.ops import MAX_ROWS
 from lily.runtime.device_decode import DeviceDecode
 from lily.runtime.rows import RowBuffers, graph_key
+from lily.runtime.rows_sampling import RowsSampler
+from lily.runtime.sampling import SamplingParams
 from lily.runtime.state import DeltaNetState
 from lily.transfer import to_device
 
 MIN_BUCKET = 4096  # the smallest context a decode graph is captured for
 SCORE_ROWS = 2048  # lm_head rows at a time when scoring (fp32 logits of 2048 x V: 2 GB)
+_NEUTRAL = SamplingParams(temperature=0.0, seed=0)  # a batched row drawn on the host
 
 
 @contextlib.contextmanager
@@ -72,6 +76,9 @@ class Runner:
         # Draws write self.tok: the graph's own input for the next step.
         self.device_decode = (DeviceDecode(self.tok, model.cfg.vocab_size)
                               if sample_on_device else None)  # fmt: skip
+        # A batched step's draws, one row per sequence (decode_rows_drawn).
+        self.rows_sampler = (RowsSampler(MAX_ROWS, model.cfg.vocab_size, self.dev)
+                             if sample_on_device else None)  # fmt: skip
 
     # ---- prefill
     def prefill(self, ids: list[int], state) -> torch.Tensor:
@@ -152,24 +159,61 @@ class Runner:
             raise ValueError(f"{len(token_ids)} tokens for {len(states)} states")
         if len(states) == 1:
             return self.decode(token_ids[0], states[0])[None]
+        return self._rows_step(token_ids, states, None)[0]
+
+    def decode_rows_drawn(self, token_ids: list[int], states: list,
+                          loads: list) -> tuple[torch.Tensor, list[int]]:  # fmt: skip
+        """``decode_rows`` (B >= 2) with every row's next token drawn in the same step by
+        ``rows_sampler`` (in the batched graph, one copy to the host): ``loads[r]`` is
+        (owner, params, prompt, generated) of a row drawn on the device (owner: the request
+        and its draw count, e.g. (id, len(generated))), None for a row sampled on the host
+        from the logits (its draw means nothing). Returns the logits and the drawn ids
+        (-1 where nothing was sampleable)."""
+        if not 2 <= len(states) == len(token_ids) == len(loads):
+            raise ValueError(f"{len(token_ids)} tokens, {len(states)} states, {len(loads)} "
+                             "loads: at least two rows, one of each per row")  # fmt: skip
+        rs = self.rows_sampler
+        for r, ld in enumerate(loads):
+            if ld is None:
+                rs.load(r, None, _NEUTRAL, (), ())
+            else:
+                rs.load(r, *ld)
+        logits, buf = self._rows_step(token_ids, states, rs.structure(len(states)))
+        ids = buf.drawn.tolist()  # one sync for every row
+        for r, ld in enumerate(loads):
+            if ld is not None:
+                owner, count = ld[0]
+                rs.drawn(r, (owner, count + 1))
+        return logits, ids
+
+    def _rows_step(self, token_ids: list[int], states: list, draw) -> tuple:
+        """The batched step (``draw``: the rows sampler's Structure, or None: no draws);
+        the logits and the row buffers."""
         starts = [self._begin(s, 1)[0] for s in states]
         bound = max(self._bucket(p, s) for p, s in zip(starts, states, strict=True))
+        buf = self._row_buffers(len(states))
         with torch.inference_mode():
             if not self.model.kernels:
-                ids = to_device(token_ids, torch.long, self.dev)
-                logits, _ = self.model.forward(ids, Rows(states), starts, bound, step=True)
+                rows = Rows(states)
+                ids, pos = to_device(token_ids, torch.long, self.dev), starts
             else:
-                buf = self._row_buffers(len(states))
                 rows = buf.rows(states)
                 buf.load(token_ids, starts)
-                if self.use_graphs:
-                    graph, logits = self._rows_graph(buf, rows, bound)
-                    graph.replay()
-                else:
-                    logits, _ = self.model.forward(buf.ids, rows, buf.pos, bound, step=True)
+                ids, pos = buf.ids, buf.pos
+            if self.use_graphs:
+                graph, logits = self._rows_graph(buf, rows, bound, draw)
+                graph.replay()
+            else:
+                logits = self._rows_forward(rows, ids, pos, bound, buf, draw)
         for s, p, t in zip(states, starts, token_ids, strict=True):
             s.length = p + 1
             self.consumed(s, t)
+        return logits, buf
+
+    def _rows_forward(self, rows: Rows, ids, pos, bound: int, buf: RowBuffers, draw):
+        logits, _ = self.model.forward(ids, rows, pos, bound, step=True)
+        if draw is not None:
+            self.rows_sampler.sample_into(logits, buf.drawn, draw)
         return logits
 
     def _row_buffers(self, n: int) -> RowBuffers:
@@ -178,15 +222,23 @@ class Runner:
             buf = self.row_buffers[n] = RowBuffers(self.model.cfg, n, self.dev)
         return buf
 
-    def _rows_graph(self, buf: RowBuffers, rows: Rows, bound: int):
-        """The captured batched step for ``buf``'s batch size and the context ``bound``."""
-        key = ("rows", buf.n, bound)
+    def _rows_graph(self, buf: RowBuffers, rows: Rows, bound: int, draw):
+        """The captured batched step for ``buf``'s batch size, the context ``bound`` and
+        the draw's structure."""
+        key = ("rows", buf.n, bound, draw)
         if key not in self.graphs:
             states = rows.states
             snaps = [s.snapshot_recurrent() for s in states]
+            drawn = self.rows_sampler.snapshot() if draw is not None else None
 
             def step():
-                return self.model.forward(buf.ids, rows, buf.pos, bound, step=True)[0]
+                return self._rows_forward(rows, buf.ids, buf.pos, bound, buf, draw)
+
+            def put_back():
+                for s, snap in zip(states, snaps, strict=True):
+                    s.restore(snap, s.length)
+                if drawn is not None:
+                    self.rows_sampler.restore(drawn)
 
             # Warm up outside the graph (compiles, allocator pools), put the states back.
             side = torch.cuda.Stream()
@@ -194,13 +246,11 @@ class Runner:
             with torch.cuda.stream(side):
                 step()
             torch.cuda.current_stream().wait_stream(side)
-            for s, snap in zip(states, snaps, strict=True):
-                s.restore(snap, s.length)
+            put_back()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.graph_pool):
                 out = step()
-            for s, snap in zip(states, snaps, strict=True):
-                s.restore(snap, s.length)
+            put_back()
             self.graphs[key] = (graph, out)
         return self.graphs[key]
 

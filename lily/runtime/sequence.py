@@ -8,8 +8,9 @@ emitted token, which the model has not consumed yet (the next step consumes it).
 
 Its token is drawn either on the host side of the logits (``Sampler``: logits processors
 and log-probs need it) or, where the runner samples on the device, by the device sampler's
-maths (``device_draws``): alone by the runner's graph-captured sampler, in a batch by the
-sequence's own ``DeviceSampler`` (``draw_into``). Both number the draws the same way and
+maths (``device_draws``): alone by the runner's graph-captured sampler, in a batched step
+by the runner's rows sampler (lily/runtime/rows_sampling.py), its first token beside
+others by its own ``DeviceSampler`` (``draw_into``). All number the draws the same way and
 key them by the same seed, so a seeded request draws the same stream either way.
 """
 

@@ -100,13 +100,19 @@ REQS = [
 def test_each_stream_equals_running_alone(hf_tiny_dir, device_draws):
     batched, ref = make(hf_tiny_dir, device_draws), make(hf_tiny_dir, device_draws)
     rows = []
-    inner = batched.runner.decode_rows
+    runner = batched.runner
+    plain, drawn = runner.decode_rows, runner.decode_rows_drawn
 
     def counting(tokens, states):
         rows.append(len(states))
-        return inner(tokens, states)
+        return plain(tokens, states)
 
-    batched.runner.decode_rows = counting
+    def counting_drawn(tokens, states, loads):
+        rows.append(len(states))
+        assert device_draws and any(loads)  # the device draws ride in the batched step
+        return drawn(tokens, states, loads)
+
+    runner.decode_rows, runner.decode_rows_drawn = counting, counting_drawn
     got, _ = drive(batched, REQS)
     for i, r in enumerate(REQS):
         same_stream(got[i], alone(ref, r["prompt"], r["params"], r.get("processor")))
@@ -121,17 +127,17 @@ def test_a_request_changes_mode_without_changing_its_stream(hf_tiny_dir):
     batched, ref = make(hf_tiny_dir, True), make(hf_tiny_dir, True)
     calls = {"sampled": 0, "rows": 0}
     runner = batched.runner
-    sampled, rows = runner.decode_sampled, runner.decode_rows
+    sampled, rows = runner.decode_sampled, runner.decode_rows_drawn
 
     def count_sampled(state):
         calls["sampled"] += 1
         sampled(state)
 
-    def count_rows(tokens, states):
+    def count_rows(tokens, states, loads):
         calls["rows"] += 1
-        return rows(tokens, states)
+        return rows(tokens, states, loads)
 
-    runner.decode_sampled, runner.decode_rows = count_sampled, count_rows
+    runner.decode_sampled, runner.decode_rows_drawn = count_sampled, count_rows
     params = SamplingParams(seed=3, max_tokens=24, **SAMPLED)
     short = SamplingParams(seed=4, max_tokens=5, **SAMPLED)
     got, _ = drive(batched, [dict(at=0, prompt=P1, params=params),
