@@ -26,6 +26,7 @@ from lily.runtime.state import DeltaNetState
 from lily.transfer import to_device
 
 MIN_BUCKET = 4096  # the smallest context a decode graph is captured for
+MAX_SINGLE_GRAPHS = 48  # single-sequence graphs kept (about 1 MB of logits each)
 SCORE_ROWS = 2048  # lm_head rows at a time when scoring (fp32 logits of 2048 x V: 2 GB)
 _NEUTRAL = SamplingParams(temperature=0.0, seed=0)  # a batched row drawn on the host
 
@@ -310,9 +311,12 @@ class Runner:
         if sampled:
             key += dd.ident()
         if key not in self.graphs:
-            if len(self.graphs) > 16:  # buffers moved (new state): old graphs are dead
-                for k in [k for k in self.graphs if k[0] != "rows"]:  # (batched ones live on)
-                    del self.graphs[k]
+            # One working state per request running at once (lily/runtime/engine.py), each
+            # with its own buffers: keep the most recent single-sequence graphs of several
+            # (a state freed and made again leaves dead ones, the oldest go first).
+            single = [k for k in self.graphs if k[0] != "rows"]  # (batched ones live on)
+            for k in single[: max(0, len(single) - MAX_SINGLE_GRAPHS)]:
+                del self.graphs[k]
             # Warm up outside the graph (compiles kernels, allocator pools), then put back
             # what it changed: the DeltaNet states, and the token and sampler counters.
             snap = state.snapshot_recurrent()
