@@ -26,7 +26,7 @@ from lily.runtime.state import DeltaNetState
 from lily.transfer import to_device
 
 MIN_BUCKET = 4096  # the smallest context a decode graph is captured for
-MAX_SINGLE_GRAPHS = 48  # single-sequence graphs kept (about 1 MB of logits each)
+MAX_SINGLE_GRAPHS = 32  # single-sequence graphs kept (about 1 MB of logits each)
 SCORE_ROWS = 2048  # lm_head rows at a time when scoring (fp32 logits of 2048 x V: 2 GB)
 _NEUTRAL = SamplingParams(temperature=0.0, seed=0)  # a batched row drawn on the host
 
