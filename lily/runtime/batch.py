@@ -8,8 +8,12 @@ The batch holds the running sequences (lily/runtime/sequence.py) in arrival orde
    one step ahead of the host), so one request alone runs exactly as it always did. With
    several, a lone one first leaves that mode (a draw in flight is emitted), then one
    batched step (``Runner.decode_rows``) consumes every pending token and each row draws:
-   device draws in the step itself (``decode_rows_drawn``: the runner's rows sampler, in
-   the batched graph, read back in one copy), host samplers row by row from the logits.
+   device draws in the step itself (the runner's rows sampler, in the batched graph, read
+   back in one copy), host samplers row by row from the logits. When every row draws on
+   the device the batch runs one step ahead of the host, as one sequence alone does: the
+   step that consumes a step's draws is launched before the host reads them
+   (``Runner.launch_rows_ahead``), while the rows stay the same; any change (a row ends,
+   is cancelled or joins) first reads the draws in flight (``_drain``).
 2. prefill: one chunk of the oldest sequence still prefilling, at most
    ``decode_prefill_chunk`` tokens while others decode (their streams wait for it); its
    first token comes at the end of its last chunk.
@@ -41,7 +45,8 @@ class Batch:
     def __init__(self, engine):
         self.engine = engine
         self.seqs: list[Seq] = []
-        self._ids: torch.Tensor | None = None  # device draws of a batched step, (rows,)
+        self._ids: torch.Tensor | None = None  # a first token's device draw beside others
+        self.inflight: tuple | None = None  # (rows, Runner.launch_rows result) not read yet
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -80,6 +85,16 @@ class Batch:
         outs: list[Output] = []
         with torch.inference_mode():
             decoding = [s for s in self.seqs if s.decoding]
+            if self.inflight is not None:  # the last batched step's draws, not read yet
+                rows, sent = self.inflight
+                self.inflight = None
+                stop = [not s.done and s.cancelled() for s in rows]
+                if rows == decoding and self._can_go_ahead(rows, stop):
+                    self._ahead(rows, sent, outs)
+                    decoding = []
+                else:
+                    self._drain(rows, sent, stop, outs)
+                    decoding = [s for s in self.seqs if s.decoding]
             if len(decoding) == 1:
                 self._alone(decoding[0], outs)
             elif decoding:
@@ -112,6 +127,21 @@ class Batch:
             return
         runner = self.engine.runner
         tokens, states = [s.pending for s in rows], [s.state for s in rows]
+        if all(s.device_draws for s in rows):
+            # Pipelined: the step's draws are read at the next step, after the step that
+            # consumes them is launched (``_ahead``), as one sequence alone does.
+            loads = [((id(s), len(s.generated)), s.params, s.prompt, s.generated) for s in rows]
+            try:
+                sent = runner.launch_rows(tokens, states, loads)
+            except Exception as exc:  # noqa: BLE001 - a model fault: the rows it computed fail
+                for s in rows:
+                    self._fail(s, exc, outs)
+                return
+            for s in rows:
+                s.pending = None
+                s.drawn_elsewhere()
+            self.inflight = (rows, sent)
+            return
         try:
             if any(s.device_draws for s in rows):
                 # (a sequence drawn on the device is drawn in the step itself)
@@ -142,6 +172,55 @@ class Batch:
         for r, s in rows:
             try:
                 out = s.accept(check_token(ids[r])) if s.device_draws else s.emit(logits[r])
+            except Exception as exc:  # noqa: BLE001
+                self._fail(s, exc, outs)
+                continue
+            self._emitted(s, out, outs)
+
+    # ---- pipelined batched steps (every row drawn on the device)
+    @staticmethod
+    def _can_go_ahead(rows: list[Seq], stop: list[bool]) -> bool:
+        """The next step of the same rows may be launched before their draws are read:
+        none cancelled, none at its last allowed token (no step is launched past
+        max_tokens)."""
+        return not any(stop) and all(not s.done and len(s.generated) + 1 < s.max_new
+                                     for s in rows)  # fmt: skip
+
+    def _ahead(self, rows: list[Seq], sent, outs: list[Output]) -> None:
+        """Launch the step that consumes the draws in flight, then read and emit them. A
+        stop is seen one step late (the token is consumed, as alone)."""
+        runner = self.engine.runner
+        try:
+            nxt = runner.launch_rows_ahead([s.state for s in rows])
+        except Exception as exc:  # noqa: BLE001 - a model fault: the rows it computed fail
+            for s in rows:
+                self._fail(s, exc, outs)
+            return
+        ids = runner.recv_rows(sent)
+        self.inflight = (rows, nxt)
+        for r, s in enumerate(rows):
+            try:
+                tok = check_token(ids[r])  # (-1: the step behind it fed a placeholder)
+            except Exception as exc:  # noqa: BLE001
+                self._fail(s, exc, outs)
+                continue
+            runner.consumed(s.state, tok)
+            out = s.accept(tok)
+            s.pending = None
+            self._emitted(s, out, outs)
+
+    def _drain(self, rows: list[Seq], sent, stop: list[bool], outs: list[Output]) -> None:
+        """Read the draws in flight and emit them, left pending (not consumed); a
+        cancelled row's draw is dropped."""
+        ids = self.engine.runner.recv_rows(sent)
+        for r, s in enumerate(rows):
+            if s.done:
+                continue
+            if stop[r]:
+                self._emitted(s, s.cancel(), outs)
+                continue
+            try:
+                out = s.accept(check_token(ids[r]))
             except Exception as exc:  # noqa: BLE001
                 self._fail(s, exc, outs)
                 continue

@@ -11,6 +11,8 @@ the rows' buffers change (another sequence in a row, a cache grown).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from lily.model.model import Rows
@@ -26,6 +28,16 @@ def graph_key(state) -> tuple:
                        for s in state.deltanet.values())  # fmt: skip
 
 
+@dataclass
+class RowsSent:
+    """A launched batched step: its buffers, the host slot its draws are copied to, its
+    logits (a buffer the next replay overwrites)."""
+
+    buf: RowBuffers
+    slot: int
+    logits: torch.Tensor
+
+
 class RowBuffers:
     """The device inputs of a batched step of ``n`` rows over a model's layers."""
 
@@ -34,6 +46,11 @@ class RowBuffers:
         self.ids = torch.zeros(n, dtype=torch.long, device=device)
         self.pos = torch.zeros(n, dtype=torch.int32, device=device)
         self.drawn = torch.zeros(n, dtype=torch.long, device=device)  # the rows' draws
+        # Two host slots (a step's draws are read while the next step runs), one event each.
+        cuda = torch.device(device).type == "cuda"
+        self.host = torch.zeros(2, n, dtype=torch.long, pin_memory=cuda)
+        self.events = [torch.cuda.Event() for _ in range(2)] if cuda else None
+        self.sent = 0
         self.attn = list(cfg.attn_layers)
         self.linear = list(cfg.linear_layers)
         self.kv = torch.zeros(len(self.attn), n, 3, dtype=torch.int64, device=device)
@@ -62,7 +79,26 @@ class RowBuffers:
             self._key, self._states = key, list(states)
         return Rows(states, self.tables)
 
-    def load(self, token_ids: list[int], starts: list[int]) -> None:
-        """The step's input ids and positions (one copy each)."""
-        self.ids.copy_(torch.tensor(token_ids, dtype=torch.long))
+    def load(self, token_ids: list[int] | None, starts: list[int]) -> None:
+        """The step's input ids (None: those the last step drew, already there) and
+        positions (one copy each)."""
+        if token_ids is not None:
+            self.ids.copy_(torch.tensor(token_ids, dtype=torch.long))
         self.pos.copy_(torch.tensor(starts, dtype=torch.int32))
+
+    def send(self) -> int:
+        """Start the copy of the step's draws to a host slot (after its launch); the slot."""
+        slot = self.sent % 2
+        self.sent += 1
+        if self.events is None:
+            self.host[slot].copy_(self.drawn)
+        else:
+            self.host[slot].copy_(self.drawn, non_blocking=True)
+            self.events[slot].record()
+        return slot
+
+    def recv(self, slot: int) -> list[int]:
+        """The draws copied to ``slot``, waiting for that copy alone."""
+        if self.events is not None:
+            self.events[slot].synchronize()
+        return self.host[slot].tolist()

@@ -19,7 +19,7 @@ import torch
 from lily.model.model import Model, Rows
 from lily.model.ops import MAX_ROWS
 from lily.runtime.device_decode import DeviceDecode
-from lily.runtime.rows import RowBuffers, graph_key
+from lily.runtime.rows import RowBuffers, RowsSent, graph_key
 from lily.runtime.rows_sampling import RowsSampler
 from lily.runtime.sampling import SamplingParams
 from lily.runtime.state import DeltaNetState
@@ -170,6 +170,12 @@ class Runner:
         and its draw count, e.g. (id, len(generated))), None for a row sampled on the host
         from the logits (its draw means nothing). Returns the logits and the drawn ids
         (-1 where nothing was sampleable)."""
+        sent = self.launch_rows(token_ids, states, loads)
+        return sent.logits, self.recv_rows(sent)
+
+    def launch_rows(self, token_ids: list[int], states: list, loads: list) -> RowsSent:
+        """``decode_rows_drawn`` without waiting: the draws' copy to the host is started,
+        ``recv_rows`` reads them. The draws are also the input of ``launch_rows_ahead``."""
         if not 2 <= len(states) == len(token_ids) == len(loads):
             raise ValueError(f"{len(token_ids)} tokens, {len(states)} states, {len(loads)} "
                              "loads: at least two rows, one of each per row")  # fmt: skip
@@ -180,41 +186,58 @@ class Runner:
             else:
                 rs.load(r, *ld)
         logits, buf = self._rows_step(token_ids, states, rs.structure(len(states)))
-        ids = buf.drawn.tolist()  # one sync for every row
-        for r, ld in enumerate(loads):
-            if ld is not None:
-                owner, count = ld[0]
-                rs.drawn(r, (owner, count + 1))
-        return logits, ids
+        return self._sent(buf, logits)
 
-    def _rows_step(self, token_ids: list[int], states: list, draw) -> tuple:
-        """The batched step (``draw``: the rows sampler's Structure, or None: no draws);
-        the logits and the row buffers."""
+    def launch_rows_ahead(self, states: list) -> RowsSent:
+        """The next step of the rows of the last ``launch_rows``(``_ahead``), before the
+        host has read that step's draws: it consumes them on the device (the states
+        advance and stay ``busy``; the loop hands each id to ``consumed`` once read) and
+        draws the next."""
+        logits, buf = self._rows_step(None, states, self.rows_sampler.structure(len(states)))
+        return self._sent(buf, logits)
+
+    def recv_rows(self, sent: RowsSent) -> list[int]:
+        """The ids a launched batched step drew (-1: nothing sampleable), waiting for it."""
+        return sent.buf.recv(sent.slot)
+
+    def _sent(self, buf: RowBuffers, logits: torch.Tensor) -> RowsSent:
+        rs = self.rows_sampler
+        for r in range(buf.n):  # every loaded row made one draw more
+            if rs.owners[r] is not None:
+                owner, count = rs.owners[r]
+                rs.drawn(r, (owner, count + 1))
+        return RowsSent(buf, buf.send(), logits)
+
+    def _rows_step(self, token_ids: list[int] | None, states: list, draw) -> tuple:
+        """The batched step (``draw``: the rows sampler's Structure, or None: no draws) on
+        ``token_ids``, or (None) on the ids the last step drew; the logits and the row
+        buffers."""
         starts = [self._begin(s, 1)[0] for s in states]
         bound = max(self._bucket(p, s) for p, s in zip(starts, states, strict=True))
         buf = self._row_buffers(len(states))
         with torch.inference_mode():
-            if not self.model.kernels:
-                rows = Rows(states)
-                ids, pos = to_device(token_ids, torch.long, self.dev), starts
-            else:
-                rows = buf.rows(states)
-                buf.load(token_ids, starts)
-                ids, pos = buf.ids, buf.pos
+            rows = buf.rows(states) if self.model.kernels else Rows(states)
+            buf.load(token_ids, starts)
+            pos = buf.pos if self.model.kernels else starts
             if self.use_graphs:
                 graph, logits = self._rows_graph(buf, rows, bound, draw)
                 graph.replay()
             else:
-                logits = self._rows_forward(rows, ids, pos, bound, buf, draw)
-        for s, p, t in zip(states, starts, token_ids, strict=True):
+                logits = self._rows_forward(rows, buf.ids, pos, bound, buf, draw)
+        for s, p in zip(states, starts, strict=True):
             s.length = p + 1
-            self.consumed(s, t)
+        if token_ids is not None:
+            for s, t in zip(states, token_ids, strict=True):
+                self.consumed(s, t)
         return logits, buf
 
     def _rows_forward(self, rows: Rows, ids, pos, bound: int, buf: RowBuffers, draw):
         logits, _ = self.model.forward(ids, rows, pos, bound, step=True)
         if draw is not None:
             self.rows_sampler.sample_into(logits, buf.drawn, draw)
+            # the next step's input (a failed draw, -1, reaches the host; the step
+            # already queued behind it must still embed a valid id)
+            buf.ids.copy_(buf.drawn.clamp_min(0))
         return logits
 
     def _row_buffers(self, n: int) -> RowBuffers:
@@ -233,7 +256,8 @@ class Runner:
             drawn = self.rows_sampler.snapshot() if draw is not None else None
 
             def step():
-                return self._rows_forward(rows, buf.ids, buf.pos, bound, buf, draw)
+                pos = buf.pos if self.model.kernels else [s.length for s in states]
+                return self._rows_forward(rows, buf.ids, pos, bound, buf, draw)
 
             def put_back():
                 for s, snap in zip(states, snaps, strict=True):

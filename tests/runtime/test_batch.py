@@ -70,6 +70,9 @@ def drive(engine: Engine, reqs: list[dict], max_steps: int = 500):
             return got, seqs
         for s, out in engine.batch.step():
             got[s.tag].append(out)
+            if s.done and s.state is not None:  # what its state held as it ended
+                st = s.state
+                s.end_state = (list(st.tokens), st.length, st.busy)
     raise AssertionError("the batch did not finish")
 
 
@@ -125,9 +128,9 @@ def test_a_request_changes_mode_without_changing_its_stream(hf_tiny_dir):
     """Alone (pipelined, device draws), then batched with a second request, then alone
     again once that one ends: one seeded stream with penalties, as when run alone."""
     batched, ref = make(hf_tiny_dir, True), make(hf_tiny_dir, True)
-    calls = {"sampled": 0, "rows": 0}
+    calls = {"sampled": 0, "rows": 0, "ahead": 0}
     runner = batched.runner
-    sampled, rows = runner.decode_sampled, runner.decode_rows_drawn
+    sampled, rows, ahead = runner.decode_sampled, runner.launch_rows, runner.launch_rows_ahead
 
     def count_sampled(state):
         calls["sampled"] += 1
@@ -137,14 +140,20 @@ def test_a_request_changes_mode_without_changing_its_stream(hf_tiny_dir):
         calls["rows"] += 1
         return rows(tokens, states, loads)
 
-    runner.decode_sampled, runner.decode_rows_drawn = count_sampled, count_rows
+    def count_ahead(states):
+        calls["ahead"] += 1
+        return ahead(states)
+
+    runner.decode_sampled, runner.launch_rows = count_sampled, count_rows
+    runner.launch_rows_ahead = count_ahead
     params = SamplingParams(seed=3, max_tokens=24, **SAMPLED)
     short = SamplingParams(seed=4, max_tokens=5, **SAMPLED)
     got, _ = drive(batched, [dict(at=0, prompt=P1, params=params),
                              dict(at=6, prompt=P4, params=short)])  # fmt: skip
     same_stream(got[0], alone(ref, P1, params))
     same_stream(got[1], alone(ref, P4, short))
-    assert calls["rows"] >= 3 and calls["sampled"] >= 10  # both modes really ran
+    # both modes really ran; batched, the steps went one ahead of the host
+    assert calls["rows"] >= 1 and calls["ahead"] >= 2 and calls["sampled"] >= 10
     assert len(set(o.token_id for o in got[0])) > 5  # really sampled
 
 
@@ -221,7 +230,7 @@ def test_a_raising_step_discards_the_half_updated_states(hf_tiny_dir, monkeypatc
     got, seqs = drive(batched, [dict(at=0, prompt=P1, params=p),
                                 dict(at=0, prompt=P3, params=p)])  # fmt: skip
     assert all(isinstance(got[i][-1], RuntimeError) for i in (0, 1))
-    assert all(s.state not in batched.pool for s in seqs.values())  # busy: forgotten
+    assert not any(s.state is st for s in seqs.values() for st in batched.pool)  # forgotten
     assert id(seqs[0].state) not in batched.prefix_cache.lives
 
 
@@ -253,3 +262,69 @@ def test_long_prefill_is_interleaved_with_running_decodes(hf_tiny_dir):
     assert b.usage.cached_tokens == 0 and b.usage.prompt_tokens == len(P2)
     assert b.generated == [o.token_id for o in alone(ref, P2, SamplingParams(
         temperature=0.0, max_tokens=3))][: len(b.generated)]  # fmt: skip
+
+
+DEVICE_REQS = [
+    dict(at=0, prompt=P1, params=SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)),
+    dict(at=0, prompt=P3, params=SamplingParams(seed=5, max_tokens=11, **SAMPLED)),
+    dict(at=1, prompt=P4, params=SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True,
+                                                stop_token_ids=(0,))),
+    dict(at=2, prompt=P2, params=SamplingParams(seed=8, max_tokens=12, **SAMPLED), cancel_at=5),
+    dict(at=9, prompt=P1 + [4], params=SamplingParams(temperature=0.7, seed=2, max_tokens=6,
+                                                      stop=("e",), ignore_eos=True)),
+]  # fmt: skip
+
+
+def test_pipelined_batch_streams_and_states(hf_tiny_dir):
+    """Every row drawn on the device: each batched step is launched before the host reads
+    the one before (as one sequence alone), across arrivals, stops, cancels and max_tokens;
+    each stream equals running alone and each state names what the model consumed."""
+    batched, ref = make(hf_tiny_dir, True), make(hf_tiny_dir, True)
+    aheads = []
+    ahead = batched.runner.launch_rows_ahead
+
+    def counting(states):
+        aheads.append(len(states))
+        return ahead(states)
+
+    batched.runner.launch_rows_ahead = counting
+    got, seqs = drive(batched, DEVICE_REQS)
+    for i, r in enumerate(DEVICE_REQS):
+        if "cancel_at" in r:
+            assert got[i][-1].finish_reason == "cancelled" and len(got[i]) == r["cancel_at"] + 1
+            want = alone(ref, r["prompt"], r["params"])[: r["cancel_at"]]
+            same_stream(got[i][:-1], want)
+        else:
+            same_stream(got[i], alone(ref, r["prompt"], r["params"]))
+        s = seqs[i]
+        tokens, length, busy = s.end_state
+        assert not busy and len(tokens) == length
+        consumed = len(tokens) - len(r["prompt"])
+        assert tokens == r["prompt"] + s.generated[:consumed]
+        assert consumed in (len(s.generated) - 1, len(s.generated))
+    assert max(aheads) >= 3 and len(aheads) >= 5
+
+
+def test_a_failed_draw_in_a_pipelined_batch_fails_its_row_alone(hf_tiny_dir, monkeypatch):
+    batched, ref = make(hf_tiny_dir, True), make(hf_tiny_dir, True)
+    forward = batched.model.forward
+    calls = []
+
+    def poisoned(ids, state, *a, **k):
+        out, snaps = forward(ids, state, *a, **k)
+        if ids.shape[0] > 1 and k.get("step"):
+            calls.append(1)
+            if len(calls) == 4:  # row 1's logits of the fourth batched step
+                out = out.clone()
+                out[1] = math.nan
+        return out, snaps
+
+    monkeypatch.setattr(batched.model, "forward", poisoned)
+    p = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    got, seqs = drive(batched, [dict(at=0, prompt=P1, params=p), dict(at=0, prompt=P3, params=p),
+                                dict(at=0, prompt=P4, params=p)])  # fmt: skip
+    assert isinstance(got[1][-1], ValueError) and str(got[1][-1]) == NO_TOKEN
+    # a placeholder was fed behind it: that state is forgotten
+    assert all(seqs[1].state is not st for st in batched.pool)
+    same_stream(got[0], alone(ref, P1, p))
+    same_stream(got[2], alone(ref, P4, p))
