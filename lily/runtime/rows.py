@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from lily.model.model import Rows
+from lily.transfer import to_device
 
 
 def graph_key(state) -> tuple:
@@ -70,12 +71,11 @@ class RowBuffers:
                   for i in self.attn]  # fmt: skip
             st = [[(s.deltanet[i].conv.data_ptr(), s.deltanet[i].recurrent.data_ptr())
                    for s in states] for i in self.linear]  # fmt: skip
-            # NOTE: from pageable memory: the copy is staged before copy_ returns, so the
-            # host lists may go; a replay already queued reads the old tables first.
+            # NOTE: a replay already queued reads the old tables first (stream order)
             if self.attn:
-                self.kv.copy_(torch.tensor(kv, dtype=torch.int64))
+                self._put(self.kv, [x for layer in kv for row in layer for x in row])
             if self.linear:
-                self.st.copy_(torch.tensor(st, dtype=torch.int64))
+                self._put(self.st, [x for layer in st for row in layer for x in row])
             self._key, self._states = key, list(states)
         return Rows(states, self.tables)
 
@@ -83,8 +83,14 @@ class RowBuffers:
         """The step's input ids (None: those the last step drew, already there) and
         positions (one copy each)."""
         if token_ids is not None:
-            self.ids.copy_(torch.tensor(token_ids, dtype=torch.long))
-        self.pos.copy_(torch.tensor(starts, dtype=torch.int32))
+            self._put(self.ids, token_ids)
+        self._put(self.pos, starts)
+
+    @staticmethod
+    def _put(dst: torch.Tensor, values: list[int]) -> None:
+        # NOTE: through pinned memory (lily/transfer.py): a copy from pageable memory would
+        # wait for the device's queue, and the batch runs a step ahead of the host.
+        dst.copy_(to_device(values, dst.dtype, dst.device).view(dst.shape))
 
     def send(self) -> int:
         """Start the copy of the step's draws to a host slot (after its launch); the slot."""
