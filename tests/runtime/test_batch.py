@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from lily.config import EngineConfig
 from lily.runtime.engine import Engine
@@ -74,6 +73,22 @@ def drive(engine: Engine, reqs: list[dict], max_steps: int = 500):
                 st = s.state
                 s.end_state = (list(st.tokens), st.length, st.busy)
     raise AssertionError("the batch did not finish")
+
+
+def poisoned(forward, at: int, row: int | None = None):
+    """``forward`` whose ``at``-th batched step gives NaN logits (for ``row``, or all)."""
+    calls = []
+
+    def run(ids, state, *a, **k):
+        out, snaps = forward(ids, state, *a, **k)
+        if ids.shape[0] > 1 and k.get("step"):
+            calls.append(1)
+            if len(calls) == at:
+                out = out.clone()
+                out[slice(None) if row is None else row] = math.nan
+        return out, snaps
+
+    return run
 
 
 def same_stream(a: list, b: list) -> None:
@@ -190,18 +205,7 @@ def test_a_failing_request_leaves_the_others_running(hf_tiny_dir):
 
 def test_a_model_fault_fails_the_rows_and_their_states_are_dropped(hf_tiny_dir, monkeypatch):
     batched, ref = make(hf_tiny_dir), make(hf_tiny_dir)
-    forward = batched.model.forward
-    calls = []
-
-    def poisoned(ids, state, *a, **k):
-        out, snaps = forward(ids, state, *a, **k)
-        if ids.shape[0] > 1 and k.get("step"):
-            calls.append(1)
-            if len(calls) == 2:
-                return torch.full_like(out, math.nan), snaps
-        return out, snaps
-
-    monkeypatch.setattr(batched.model, "forward", poisoned)
+    monkeypatch.setattr(batched.model, "forward", poisoned(batched.model.forward, 2))
     p = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     got, seqs = drive(batched, [dict(at=0, prompt=P1, params=p),
                                 dict(at=0, prompt=P3, params=p)])  # fmt: skip
@@ -307,19 +311,8 @@ def test_pipelined_batch_streams_and_states(hf_tiny_dir):
 
 def test_a_failed_draw_in_a_pipelined_batch_fails_its_row_alone(hf_tiny_dir, monkeypatch):
     batched, ref = make(hf_tiny_dir, True), make(hf_tiny_dir, True)
-    forward = batched.model.forward
-    calls = []
-
-    def poisoned(ids, state, *a, **k):
-        out, snaps = forward(ids, state, *a, **k)
-        if ids.shape[0] > 1 and k.get("step"):
-            calls.append(1)
-            if len(calls) == 4:  # row 1's logits of the fourth batched step
-                out = out.clone()
-                out[1] = math.nan
-        return out, snaps
-
-    monkeypatch.setattr(batched.model, "forward", poisoned)
+    # row 1's logits of the fourth batched step
+    monkeypatch.setattr(batched.model, "forward", poisoned(batched.model.forward, 4, row=1))
     p = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     got, seqs = drive(batched, [dict(at=0, prompt=P1, params=p), dict(at=0, prompt=P3, params=p),
                                 dict(at=0, prompt=P4, params=p)])  # fmt: skip
