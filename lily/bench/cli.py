@@ -39,7 +39,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     _add_engine_args(p)
     p.add_argument("--random", choices=["full", "tiny"],
                    help="random weights in the real (full) or test (tiny) shape, built on "
-                   "the device (default: full on a GPU, tiny on the CPU)")  # fmt: skip
+                   "the device (default: full on a GPU, tiny on the CPU); the "
+                   "well-conditioned model of docs/notes/fidelity.md")  # fmt: skip
     p.add_argument("--lengths", help="prompt lengths, e.g. 256,1K,32K (default: 256 .. 128K, "
                    "those that fit the model's context)")  # fmt: skip
     p.add_argument("--decode-tokens", type=int, default=128,

@@ -14,7 +14,11 @@ that remove each cause; the shapes and the MLX layout stay, so speed is unchange
   (trained residual streams grow with depth); update ratios about 0.05-0.2 per branch;
 - routing by token codes (``sparse_router``): each token's embedding has k large values
   on the first E token dims, and expert j of a layer reads one of them (a permutation per
-  layer) plus a small dense part, so the top-k set has a wide margin (no swaps);
+  layer) plus a small dense part, so the top-k set has a wide margin (no swaps); the
+  small values lean negative so that tokens share no mean direction (``zero_mean``: a
+  long context's attention average would keep it and write far more than designed);
+- attention's output projection is scaled for what its average keeps at
+  ``attn_context``, recurring tokens included (``attn_average``);
 - lm_head: the token groups of row v are the embedding of token perm(v), a bigram direct
   path whose logit stands out of the bulk; the layers' dims give ``logit_w_share`` of the
   logits' variance;
@@ -50,18 +54,20 @@ class Recipe:
     token_every: int = 8  # 0: no token dims (layers write every dim, read with weight 1)
     read_w: float = 0.2  # norm weight on the layers' dims (token dims: 1)
     final_w: float = 1.0  # final norm weight on the layers' dims
-    w_energy: float = 3.0  # layers' energy / token energy in the last residual
+    w_energy: float = 2.0  # layers' energy / token energy in the last residual
     growth: float = 1.05  # branch output rms growth per layer
     sparse_router: bool = True  # route by token codes (else Gaussian, ``router_std``)
     router_max: float = 2.0  # sparse router: the largest logit (big values 2-4 -> 1-2)
     router_std: float = 0.9  # Gaussian router logit std (the plain init's is 0.9)
     score_std: float = 1.5  # attention score standard deviation (q_norm, k_norm)
     attn_context: int = 4096  # context the attention output scale is set for
+    repeat: float = 1e-3  # sum of squared unigram frequencies of the text (pseudo-text's)
     logit_std: float = 2.0  # standard deviation of the logits over the vocabulary
-    logit_w_share: float = 0.65  # share of that variance from the layers' dims
+    logit_w_share: float = 0.5  # share of that variance from the layers' dims
     bigram: bool = True  # lm_head token groups = permuted embedding
     slow_decay: bool = True  # DeltaNet dt in [1e-3, 0.1] (else softplus(N(1, 0.1)): ~1.3)
     exact_bf16: bool = True  # scales with few significant bits (exact dequantization)
+    zero_mean: bool = True  # token codes average to zero over tokens (no common direction)
 
 
 DEFAULT = Recipe()
@@ -85,6 +91,15 @@ def _scale4(x: float) -> float:
     return min(15, max(8, round(x / 2**e * 8))) * 2.0 ** (e - 3)
 
 
+def _small_mean(cfg: ModelConfig, recipe: Recipe) -> float:
+    """Mean of a token's small routed values, in units: with ``zero_mean`` it cancels the
+    k big ones on average, so every token dim averages to zero over tokens (256 experts:
+    -0.097). It stays within ``_SMALL`` of zero so the values stay small: with few experts
+    (the tiny model's 6 small per 2 big) the mean is only partly cancelled."""
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    return -min(_SMALL, k * sum(_BIG) / 2 / (e - k)) if recipe.zero_mean else 0.0
+
+
 @dataclass(frozen=True)
 class TokenCode:
     """The embedding's token groups: their 4-bit scale, the value of one code unit (big
@@ -103,7 +118,7 @@ def token_code(cfg: ModelConfig, recipe: Recipe) -> TokenCode:
     hi, lo = _BIG[1], _BIG[0]
     s = _scale4(hi / 7.5) if recipe.exact_bf16 else hi / 7.5
     big = (lo * lo + lo * hi + hi * hi) / 3  # E[U(lo, hi)^2]
-    small = (0.5 * s) ** 2  # N(0, 0.15) rounds to +-s/2
+    small = (0.5 * s) ** 2  # they round to +-s/2 (stochastically with zero_mean)
     dense = (hi / 2.5) ** 2
     ms = (k * big + (e - k) * small + (n_tok - e) * dense) / n_tok
     # a power of two keeps the dequantization exact; rms within sqrt(2) of 1
@@ -203,11 +218,18 @@ def embedding(cfg: ModelConfig, recipe: Recipe, bits: int, device, g) -> QuantWe
     if bits != 4:  # a power of two near the same range (exact dequantization)
         s = 2.0 ** round(math.log2(_BIG[1] / half)) if recipe.exact_bf16 else _BIG[1] / half
     vals = torch.empty(v, n_tok, device=device)
-    vals[:, :e].normal_(0.0, _SMALL, generator=g)
+    # The k big values are positive: without an offset on the small ones every token would
+    # share a mean direction (~16% of its norm at full size) that a long context's
+    # attention average keeps while it averages the rest away (docs/notes/fidelity.md).
+    vals[:, :e].normal_(_small_mean(cfg, recipe), _SMALL, generator=g)
     vals[:, e:].normal_(0.0, _BIG[1] / 2.5, generator=g)
     big = torch.rand(v, e, device=device, generator=g).argsort(-1)[:, :k]
     vals[:, :e].scatter_(1, big, torch.empty(v, k, device=device).uniform_(*_BIG, generator=g))
-    codes = torch.round(vals / s + half).clamp(0, 2 * half).int()
+    if recipe.zero_mean:  # stochastic rounding: the codes' mean is the values' (no bias)
+        dither = torch.rand(vals.shape, device=device, generator=g)
+        codes = torch.floor(vals / s + half + dither).clamp(0, 2 * half).int()
+    else:
+        codes = torch.round(vals / s + half).clamp(0, 2 * half).int()
     # the layers' groups have scale and bias 0: their codes do not matter (zeros)
     per = 32 // bits
     words = torch.zeros(v, d // GROUP, GROUP // per, dtype=torch.int32, device=device)
@@ -217,7 +239,7 @@ def embedding(cfg: ModelConfig, recipe: Recipe, bits: int, device, g) -> QuantWe
 
 
 def lm_head(cfg: ModelConfig, recipe: Recipe, bits: int, device, g, embed: QuantWeight):
-    """(V, D): token groups of row v = 2^j * embedding row perm(v) (bigram direct path),
+    """(V, D): token groups of row v = c * embedding row perm(v) (bigram direct path),
     the layers' groups random; scales set from the designed last residual."""
     v, d = cfg.vocab_size, cfg.hidden_size
     tok = token_groups(d, recipe)
@@ -232,14 +254,21 @@ def lm_head(cfg: ModelConfig, recipe: Recipe, bits: int, device, g, embed: Quant
                        recipe.exact_bf16, device, g)  # fmt: skip
     rms = math.sqrt(token_code(cfg, recipe).energy / (int(tok.sum()) * GROUP))
     tok_std = recipe.logit_std * math.sqrt(1 - recipe.logit_w_share) / (h_tok * rms)
-    mult = 2.0 ** round(math.log2(tok_std))  # a power of two keeps dequantization exact
     perm = torch.randperm(v, generator=g, device=device)[:, None]
     cols = torch.nonzero(tok.to(device)).view(-1)
     per = 32 // bits
     wcols = (cols[:, None] * (GROUP // per) + torch.arange(GROUP // per, device=device)).view(-1)
     out.qweight[:, wcols] = embed.qweight[perm, wcols[None, :]]
-    out.scales[:, cols] = (embed.scales[perm, cols[None, :]].float() * mult).to(torch.bfloat16)
-    out.biases[:, cols] = (embed.biases[perm, cols[None, :]].float() * mult).to(torch.bfloat16)
+    # the embedding's codes under one scale: ``tok_std`` times the embedding's, rounded to
+    # what keeps the dequantization exact (4 significant bits: within 6%; 8-bit: a power
+    # of two)
+    want = float(embed.scales[0, cols[0]]) * tok_std
+    if not recipe.exact_bf16:
+        sh = want
+    else:
+        sh = _scale4(want) if bits == 4 else 2.0 ** round(math.log2(want))
+    out.scales[:, cols] = sh
+    out.biases[:, cols] = -sh * ((1 << bits) - 1) / 2
     return out
 
 
@@ -281,10 +310,9 @@ def layer_quant(cfg: ModelConfig, recipe: Recipe, name: str, shape, bits: int, d
     if leaf in unit:
         return random_quant(shape, bits, _rows(n, unit[leaf] / h), recipe.exact_bf16, device, g)
     # output projections: the layers' dims only, each branch ``out_rms`` (MoE: half routed)
-    n_eff = recipe.attn_context * math.exp(-(recipe.score_std**2))
     act = {  # rms of the activation each output projection reads
         "dn.out_proj": _SILU_RMS,
-        "attn.o_proj": _SIGMOID_RMS / math.sqrt(max(1.0, n_eff)),
+        "attn.o_proj": _SIGMOID_RMS / math.sqrt(attn_average(recipe)),
         "moe.down_proj": _SILU_RMS * _routed_rms(cfg, recipe),
         "moe.shared_down_proj": _SIGMOID_RMS * _SILU_RMS,
     }
@@ -293,6 +321,18 @@ def layer_quant(cfg: ModelConfig, recipe: Recipe, name: str, shape, bits: int, d
     target = lp.out_rms / math.sqrt(2) if leaf.startswith("moe.") else lp.out_rms
     std = target / (act[leaf] * math.sqrt(shape[-1]))
     return random_quant(shape, bits, _rows(n, std, tok), recipe.exact_bf16, device, g)
+
+
+def attn_average(recipe: Recipe) -> float:
+    """How many independent values the attention averages over ``attn_context`` tokens.
+    Softmax weights of log-normal spread (score std sigma) count N exp(-sigma^2) keys;
+    but a recurring token brings one key and one value at each occurrence, so its total
+    weight is its count times one weight: the sum of squared weights gains exp(sigma^2)
+    times the text's sum of squared unigram frequencies, which no context length averages
+    away (pseudo-text, 1e-3: about 84 values at 4K and 100 at 32K instead of 430 and
+    3,450; docs/notes/fidelity.md)."""
+    spread = math.exp(recipe.score_std**2)
+    return max(1.0, 1.0 / (spread * (1.0 / recipe.attn_context + recipe.repeat)))
 
 
 def _routed_rms(cfg: ModelConfig, recipe: Recipe) -> float:

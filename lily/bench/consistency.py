@@ -63,11 +63,14 @@ def run_layers(model, state: SessionState, ids: list[int], logits: bool = False)
     return model.head(x) if logits else x
 
 
-def prefill_context(model, state: SessionState, ids: list[int], fast: bool = True) -> None:
-    """Consume ``ids`` (no logits), in chunks; DeltaNet by chunks with ``fast``."""
+def prefill_context(model, state: SessionState, ids: list[int], fast: bool = True,
+                    chunk: int = CONTEXT_CHUNK) -> None:  # fmt: skip
+    """Consume ``ids`` (no logits), in chunks of ``chunk`` tokens; DeltaNet by chunks with
+    ``fast``. The reference MoE dequantizes every expert once per chunk, so on a GPU a
+    larger chunk is faster (memory grows with it)."""
     with fast_deltanet() if fast else contextlib.nullcontext():
-        for i in range(0, len(ids), CONTEXT_CHUNK):
-            run_layers(model, state, ids[i : i + CONTEXT_CHUNK])
+        for i in range(0, len(ids), chunk):
+            run_layers(model, state, ids[i : i + chunk])
 
 
 def layer_local(judge, paths: dict, ids: list[int], context: int, chunk: int, steps: int,

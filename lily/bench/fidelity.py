@@ -51,9 +51,11 @@ def reduced_config(layers: int, base: str = "full") -> ModelConfig:
 
 
 def shared_params(cfg: ModelConfig, device, recipe, share: int, seed: int = 0) -> dict:
-    """``random_params`` (bf16), except that layer i's packed codes are layer (i % share)'s
-    (its scales its own): a deep full-width model in the memory of ``share`` layers, for
-    studies on a small machine. ``share`` must keep the layer kinds (a multiple of 4)."""
+    """``random_params`` (bf16), except that layer i's experts' packed codes are layer
+    (i % share)'s (their scales its own): a deep full-width model in the memory of about
+    ``share`` layers, for studies on a small machine. Everything else (routers included,
+    so a token meets other experts in each layer) is drawn per layer. ``share`` must keep
+    the layer kinds (a multiple of 4)."""
     from lily.bench.random_model import packing, random_tensor
     from lily.quant import QuantWeight
     from lily.weights import canonical_shapes
@@ -64,7 +66,7 @@ def shared_params(cfg: ModelConfig, device, recipe, share: int, seed: int = 0) -
     bits, out = packing(cfg), {}
     for name, shape in canonical_shapes(cfg).items():
         key = name
-        if name.startswith("layers."):
+        if name.endswith(("moe.gate_proj", "moe.up_proj", "moe.down_proj")):
             _, i, rest = name.split(".", 2)
             key = f"layers.{int(i) % share}.{rest}"
         w = random_tensor(cfg, name, shape, bits[name], torch.device(device), seed,
@@ -78,27 +80,31 @@ def shared_params(cfg: ModelConfig, device, recipe, share: int, seed: int = 0) -
 @contextlib.contextmanager
 def _recording(log: list):
     """Every reference ``route`` call's (weights, ids, logits) appended to ``log``; every
-    ``moe_layer`` output's norm per row appended as ("moe", norms)."""
-    import lily.model.model as mm
+    reference MoE output's norm per row (``sparse_moe`` as lily/model/ops.py calls it)
+    appended as ("moe", norms)."""
     import lily.model.moe as moe
+    import lily.model.ops as ops
 
-    route, layer = moe.route, mm.moe_layer
+    # NOTE: both are looked up in their modules at call time; fail loudly if that changes
+    if not (hasattr(moe, "route") and hasattr(ops, "sparse_moe")):
+        raise RuntimeError("lily.model.moe.route or lily.model.ops.sparse_moe is gone")
+    route, sparse = moe.route, ops.sparse_moe
 
     def rec_route(logits, top_k, renorm):
         w, ids = route(logits, top_k, renorm)
         log.append(("route", w.float().cpu(), ids.cpu(), logits.float().cpu()))
         return w, ids
 
-    def rec_layer(*a):
-        out = layer(*a)
+    def rec_moe(*a, **kw):
+        out = sparse(*a, **kw)
         log.append(("moe", out.float().norm(dim=-1).cpu()))
         return out
 
-    moe.route, mm.moe_layer = rec_route, rec_layer
+    moe.route, ops.sparse_moe = rec_route, rec_moe
     try:
         yield log
     finally:
-        moe.route, mm.moe_layer = route, layer
+        moe.route, ops.sparse_moe = route, sparse
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

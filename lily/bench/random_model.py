@@ -58,7 +58,7 @@ def skew_router(w: Weight, skew: float, hot: list[int]) -> Weight:
 
     A larger row norm widens that expert's logit distribution, so it lands in the top-k
     far more often (with skew 2, about 5x its even share with the plain init's router,
-    about 2.5x with the conditioned model's): uneven groups as real routing.
+    about 2x with the conditioned model's): uneven groups as real routing.
     """
     f = 1.0 + skew
     if isinstance(w, QuantWeight):

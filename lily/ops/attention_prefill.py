@@ -13,7 +13,8 @@ Kernels:
    has few programs, each walking all the keys, so the GPU's last wave runs nearly empty;
    then each program takes one share of the key tiles and writes a normalised fp32 partial
    and its log-sum-exp, and ``_flash_combine_kernel`` merges the shares and applies the gate.
-``start`` may be a Python int or a one-element device tensor.
+``start`` may be a Python int or a one-element device tensor. With a ``table`` the caches'
+addresses and capacity are read on the device too (a captured graph then serves any state).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lily.ops.launch import cdiv, check, launched, pow2
+from lily.ops.launch import cdiv, check, launched, pow2, table_pointer
 from lily.ops.norm_rope import rms_rope_rows, sigmoid
 
 Tensor = torch.Tensor
@@ -30,14 +31,25 @@ Tensor = torch.Tensor
 LOG2E = 1.4426950408889634
 
 
+@triton.jit
+def _table_caches(p_tab, k_cache, v_cache):
+    """The caches' addresses and capacity from a table (int64: K, V, T_max)."""
+    k_cache = table_pointer(p_tab, 0, k_cache)
+    v_cache = table_pointer(p_tab, 1, v_cache)
+    return k_cache, v_cache, tl.load(p_tab + 2).to(tl.int32)
+
+
 @launched
 @triton.jit
 def _prep_kernel(
     qg, k, v, q_norm, k_norm, inv_freq, p_start, q_buf, k_cache, v_cache, T, T_MAX, stride_qg,
-    stride_k, stride_v, eps, H: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr,
+    stride_k, stride_v, eps, p_tab, H: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr,
     R: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, START_PTR: tl.constexpr,
+    TAB: tl.constexpr,
 ):  # fmt: skip
     i_t, i_g = tl.program_id(0), tl.program_id(1)
+    if TAB:
+        k_cache, v_cache, T_MAX = _table_caches(p_tab, k_cache, v_cache)
     if START_PTR:  # a device position (graph-safe); else the host's int
         start = tl.load(p_start).to(tl.int32)
     else:
@@ -45,8 +57,12 @@ def _prep_kernel(
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
     o_d = tl.arange(0, BD)
-    # NOTE: rows past the cache (a device start too large: a caller's bug) are not written
-    m_td = (m_t & (start + o_t < T_MAX))[:, None] & (o_d < DH)[None, :]
+    # NOTE: rows past the cache (padding of a graph's chunk, or a device start too large: a
+    # caller's bug) write no K/V; their queries are written all the same, so that such rows
+    # stay finite (a padding row's value reaches the next DeltaNet layer, whose products
+    # multiply it by 0: a NaN there would spread to the token rows)
+    m_tq = m_t[:, None] & (o_d < DH)[None, :]
+    m_td = m_tq & (start + o_t < T_MAX)[:, None]
     if i_g < H:  # a query head
         b_q = rms_rope_rows(
             qg,
@@ -63,7 +79,7 @@ def _prep_kernel(
         tl.store(
             q_buf + (o_t[:, None] * H + i_g) * DH + o_d[None, :],
             b_q.to(q_buf.dtype.element_ty),
-            mask=m_td,
+            mask=m_tq,
         )
     else:  # a KV head: K normed and rotated, V as is, both into the cache
         i_h = i_g - H
@@ -80,10 +96,13 @@ def _prep_kernel(
 @triton.jit
 def _flash_kernel(
     qg, q_buf, k_cache, v_cache, p_start, out, o_part, lse_part, T, T_MAX, stride_qg, sm_scale,
-    n_split, H: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, BM: tl.constexpr,
+    n_split, p_tab, H: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, BD: tl.constexpr, IS_SPLIT: tl.constexpr, START_PTR: tl.constexpr,
+    TAB: tl.constexpr,
 ):  # fmt: skip
     i_m, i_kvh, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if TAB:
+        k_cache, v_cache, T_MAX = _table_caches(p_tab, k_cache, v_cache)
     G: tl.constexpr = H // HKV
     BMT: tl.constexpr = BM // G  # tokens per program
     if START_PTR:
@@ -215,6 +234,9 @@ def flash_per_sm(block_m: int, block_n: int, dh: int, warps: int, stages: int, c
 
 
 PART_BYTES = 128 * 2**20  # cap on the split partials of one call (fp32, all shares)
+# a captured graph's call (table mode) keeps its partials in the graph pool for good: a
+# tighter cap (the splits that chunks of 384-1,024 tokens choose fit it)
+TABLE_PART_BYTES = 32 * 2**20
 
 
 def flash_split(programs: int, keys: int, slots: int, block_n: int, max_split: int = 16) -> int:
@@ -262,27 +284,43 @@ def attention_prefill(
     num_warps: int = 8,
     num_stages: int = 2,
     split: int | None = None,
+    context: int | None = None,
+    table: Tensor | None = None,
 ) -> Tensor:
     """Gated causal attention of T tokens at positions [start, start+T) (MODEL.md).
 
     qg (T, H*2*Dh): per head Dh query then Dh gate; k, v (T, Hkv*Dh); q_norm, k_norm (Dh,)
     (multipliers); k_cache, v_cache (Hkv, T_max, Dh) with rows [0, start) filled, rows
-    [start, start+T) written here; start an int or one-element int device tensor (then the
-    caller guarantees start + T <= T_max); inv_freq (R/2,) fp32 from ``rope_inv_freq``.
+    [start, start+T) written here; start an int or one-element int device tensor (rows past
+    T_max are then not written); inv_freq (R/2,) fp32 from ``rope_inv_freq``.
     Returns (T, H*Dh) in qg's dtype. ``split``: key splits (partials merged by a second
-    kernel); by default ``flash_split`` picks them when start is an int, else 1.
+    kernel); by default ``flash_split`` picks them when start is an int, or, with a device
+    start, for ``context // 2`` keys when ``context`` (the most keys a row may see: a
+    graph's bound) is given, else 1.
+
+    ``table``: a (3,) int64 device tensor holding K's and V's addresses and their T_max,
+    read by the kernels instead of the caches' (a graph captured once serves any state);
+    k_cache and v_cache then give only the dtype, Hkv and Dh (any T_max, any strides).
+    NOTE: the caches the table names must be contiguous (Hkv, T_max, Dh) of that dtype.
     """
     _check(
         k_cache.dim() == 3
         and k_cache.shape == v_cache.shape
-        and k_cache.is_contiguous()
-        and v_cache.is_contiguous()
+        and (table is not None or (k_cache.is_contiguous() and v_cache.is_contiguous()))
         and k_cache.dtype == v_cache.dtype,
         lambda: (
             f"k_cache and v_cache must be contiguous (Hkv, T_max, Dh) of one dtype, got "
             f"{tuple(k_cache.shape)} {k_cache.dtype} and {tuple(v_cache.shape)} {v_cache.dtype}"
         ),
     )
+    if table is not None:
+        _check(
+            table.shape == (3,) and table.dtype == torch.int64 and table.device == k_cache.device,
+            lambda: (
+                f"table must be a (3,) int64 tensor on {k_cache.device}, got "
+                f"{tuple(table.shape)} {table.dtype} on {table.device}"
+            ),
+        )
     hkv, t_max, dh = k_cache.shape
     _check(
         qg.dim() == 2 and qg.shape[1] % (2 * dh) == 0 and qg.stride(1) == 1,
@@ -313,16 +351,13 @@ def attention_prefill(
         lambda: f"block_m={block_m} must be a multiple of the group size {g} (and positive)",
     )
     q_blocks = cdiv(t, block_m // g)  # programs along the tokens, per KV head
+    keys = None  # the keys the split is chosen for
     if isinstance(start, int):
         _check(
-            0 <= start and start + t <= t_max,
+            0 <= start and (table is not None or start + t <= t_max),
             lambda: f"positions [{start}, {start + t}) do not fit a cache of {t_max}",
         )
-        if split is None and qg.is_cuda:
-            n_sm = torch.cuda.get_device_properties(qg.device).multi_processor_count
-            per_sm = flash_per_sm(block_m, block_n, dh, num_warps, num_stages, k_cache)
-            cap = max(1, PART_BYTES // (t * h * dh * 4))
-            split = flash_split(q_blocks * hkv, start + t, n_sm * per_sm, block_n, min(16, cap))
+        keys = start + t
         # NOTE: an int start goes to the kernels as an argument: a device copy of it cost
         # each attention layer a host tensor, a pinned copy and a transfer.
         start_ptr = False
@@ -332,10 +367,18 @@ def attention_prefill(
             lambda: f"start must be an int or a one-element integer tensor, got {start.dtype}",
         )
         start_ptr = True
+        if context is not None:
+            keys = max(t, context // 2)
+    if split is None and keys is not None and qg.is_cuda:
+        n_sm = torch.cuda.get_device_properties(qg.device).multi_processor_count
+        per_sm = flash_per_sm(block_m, block_n, dh, num_warps, num_stages, k_cache)
+        cap = max(1, (PART_BYTES if table is None else TABLE_PART_BYTES) // (t * h * dh * 4))
+        split = flash_split(q_blocks * hkv, keys, n_sm * per_sm, block_n, min(16, cap))
     split = split or 1
     _check(split >= 1, lambda: f"split must be >= 1, got {split}")
     tensors = [qg, k, v, q_norm, k_norm, k_cache, v_cache, inv_freq] + [start] * start_ptr
     _check(all(x.device == k_cache.device for x in tensors), "all tensors must be on one device")
+    tab = table if table is not None else k_cache  # (the kernels ignore it without TAB)
 
     bd = pow2(dh)
     q_buf = torch.empty(t, h, dh, dtype=k_cache.dtype, device=qg.device)
@@ -357,6 +400,7 @@ def attention_prefill(
         k.stride(0),
         v.stride(0),
         eps,
+        tab,
         H=h,
         HKV=hkv,
         DH=dh,
@@ -364,6 +408,7 @@ def attention_prefill(
         BT=bt,
         BD=bd,
         START_PTR=start_ptr,
+        TAB=table is not None,
         num_warps=4,
     )
     out = torch.empty(t, h * dh, dtype=qg.dtype, device=qg.device)
@@ -374,8 +419,9 @@ def attention_prefill(
         o_part = lse_part = out
     _flash_kernel[(q_blocks, hkv, split)](
         qg, q_buf, k_cache, v_cache, start, out, o_part, lse_part, t, t_max, qg.stride(0),
-        dh**-0.5 * LOG2E, split, H=h, HKV=hkv, DH=dh, BM=block_m, BN=block_n, BD=bd,
-        IS_SPLIT=split > 1, START_PTR=start_ptr, num_warps=num_warps, num_stages=num_stages,
+        dh**-0.5 * LOG2E, split, tab, H=h, HKV=hkv, DH=dh, BM=block_m, BN=block_n, BD=bd,
+        IS_SPLIT=split > 1, START_PTR=start_ptr, TAB=table is not None, num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip
     if split > 1:
         br = 16

@@ -1,5 +1,6 @@
 """Host-side helpers the kernels' launchers share: argument checks with clear errors,
-small integer helpers, and programmatic-dependent-launch options."""
+small integer helpers, programmatic-dependent-launch options; and ``table_pointer``, the
+device side of the address tables that graph-captured kernels read."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import weakref
 
 import torch
 import triton
+import triton.language as tl
 
 from lily.quant import QuantWeight
 
@@ -95,6 +97,17 @@ def check_x(x: Tensor, k: int, name: str, device: torch.device) -> None:
         raise ValueError(f"{name}: x is on {x.device}, the weight on {device}")
 
 
+@triton.jit
+def table_pointer(p_tab, i, like):
+    """Entry ``i`` of an int64 address table (on the device) as a pointer to ``like``'s
+    element type: kernels captured once in a CUDA graph read the buffers a replay names.
+
+    NOTE: ``multiple_of``: an address loaded as an int carries no alignment, and without it
+    the tile loads through it compiled to 2-byte ones (sm_90 PTX); every table entry is a
+    tensor's start, which the allocator aligns to 16 bytes at least."""
+    return tl.multiple_of(tl.load(p_tab + i).to(tl.pointer_type(like.dtype.element_ty)), 16)
+
+
 def pdl_launch(pdl: bool) -> dict:
     """Launch options for programmatic dependent launch (nothing when off, so the kernels
     compiled without it keep their cache entries)."""
@@ -130,6 +143,8 @@ def _spec(a) -> tuple:
         return ("f",)
     if a is None:
         return ("n",)
+    if type(a).__name__ == "TensorDescriptor":  # Triton keys it by dtype and box
+        return ("td", a.base.dtype, tuple(a.block_shape), a.padding)
     raise TypeError(type(a))
 
 

@@ -35,17 +35,24 @@ def fast_paths(runner, device: str) -> dict[str, bool]:
     step = runner.model.step_ops
     if step is None:
         return {}
+    from lily.ops import moe_prefill  # the kernel path: Triton is there
+
     dev = torch.device(device)
-    hopper = dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
+    cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (0, 0)
+    hopper = cap[0] >= 9
     return {
         # PDL is a no-op before sm_90 (lily.ops.launch.use_pdl)
         "PDL": step.pdl and hopper,
         "tensor-core GEMV": step.mma,
         "CUDA graphs": bool(getattr(runner, "use_graphs", False)),
+        "prefill graphs (chunks up to 1,024 tokens)": getattr(runner, "prefill_graphs", None)
+        is not None,
         "device sampling": getattr(runner, "device_decode", None) is not None,
         # attention decode splits the keys from 256 positions on; prefill after long history
         "split-KV attention": True,
         "fused-dequant GEMM prefill": True,
+        # lily/ops/moe_gemm_sm90.py: "auto" takes them on sm_90 exactly
+        "MoE prefill GEMMs with TMA weights (sm_90)": moe_prefill.SM90_GEMMS and cap == (9, 0),
     }
 
 

@@ -9,9 +9,11 @@ paid for its compiles: 20.9 s for the first 4K prompt on a fresh H200, 0.25 s on
 start of the server (issue 19). Warm-up runs throwaway work that covers those classes:
 
 - prefills of a representative length from every class of chunk lengths (the tile tables'
-  intervals, each with its ints in both divisibility classes), from position 0 with
-  snapshot cuts, after a chunk of history at an aligned and at an odd position (attention
-  splits its keys there), and short ones after a long history (up to 16 splits);
+  intervals, each with its ints in both divisibility classes) and of every prefill graph's
+  bucket (lily/runtime/prefill_graph.py: chunks up to 1,024 tokens are graph replays, the
+  first of each bucket and context bucket captures), from position 0 with snapshot cuts,
+  after a chunk of history at an aligned and at an odd position (attention splits its keys
+  there), and short ones after a long history (up to 16 splits);
 - one-token chunks at positions that cover attention decode's block counts;
 - decode steps on the working state at its context buckets (this captures their CUDA
   graphs), unsampled and with the device sampler for greedy and the model's defaults.
@@ -32,6 +34,7 @@ import torch
 
 from lily.config import ModelConfig
 from lily.ops.qgemv import MAX_ROWS as GEMV_ROWS  # chunks this short take the GEMV
+from lily.runtime.prefill_graph import BUCKETS
 from lily.runtime.sampling import SamplingParams
 from lily.runtime.state import SessionState
 
@@ -124,7 +127,7 @@ def _cuts(t: int, how: str) -> tuple[int, ...]:
 def prefill_probes(cfg: ModelConfig, chunk: int, max_context: int) -> list[Probe]:
     """The throwaway prefills (chunks that do not fit ``max_context`` are left out)."""
     probes = []
-    for t in chunk_lengths(cfg, chunk):
+    for t in sorted(set(chunk_lengths(cfg, chunk)) | {b for b in BUCKETS if b <= chunk}):
         probes += [
             Probe(t, 0, _cuts(t, "two")),
             Probe(t, chunk),
@@ -196,16 +199,17 @@ def warm_up(engine, *, progress: bool = True, force: bool = False,
     variants = sampling_variants(engine.generation_defaults) if runner.device_decode else []
     before = kernel_variants()
     bar = _bar(len(probes) + len(starts) * (1 + len(variants)), progress)
+    cuda = torch.device(engine.engine_cfg.device).type == "cuda"
     t0 = time.perf_counter()
     with torch.inference_mode():
         scratch = SessionState.new(engine.cfg, engine.engine_cfg.device, engine.dtype,
                                    engine.max_context)  # fmt: skip
         for p in probes:
-            _prefill(runner, scratch, p, engine.cfg.vocab_size)
+            run_probe(runner, scratch, p, engine.cfg.vocab_size, cuda)
             bar.update(1)
         del scratch
-        _decode_steps(engine, starts, variants, context, bar)
-        if torch.device(engine.engine_cfg.device).type == "cuda":
+        _decode_steps(engine, starts, variants, context, bar, cuda)
+        if cuda:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()  # the scratch state and its chunks' temporaries
     bar.close()
@@ -225,8 +229,9 @@ def warm_up(engine, *, progress: bool = True, force: bool = False,
     return report
 
 
-def _prefill(runner, scratch: SessionState, p: Probe, vocab: int) -> None:
-    """One probe on the scratch state (its contents do not matter, only its shapes)."""
+def run_probe(runner, scratch: SessionState, p: Probe, vocab: int, sync: bool) -> None:
+    """One probe on the scratch state (its contents do not matter, only its shapes);
+    ``sync``: wait for the device after it."""
     for s in scratch.deltanet.values():  # keep the scratch recurrence bounded
         s.conv.zero_()
         s.recurrent.zero_()
@@ -236,13 +241,17 @@ def _prefill(runner, scratch: SessionState, p: Probe, vocab: int) -> None:
     ids = [(7 * i + 11) % vocab for i in range(p.tokens)]
     try:
         runner.prefill_snapshots(ids, scratch, [p.start + c for c in p.cuts])
+        if sync:
+            # NOTE: a fault is reported at the next synchronisation; waiting here names the
+            # probe that caused it (the warm-up is bound by compiles, not by this wait).
+            torch.cuda.synchronize()
     except Exception as e:
         raise RuntimeError(f"warm-up: a {p.tokens}-token chunk at position {p.start} (cuts "
                            f"{list(p.cuts)}) failed: {type(e).__name__}: {e}") from e  # fmt: skip
 
 
 def _decode_steps(engine, starts: list[int], variants: list[SamplingParams], context: int,
-                  bar) -> None:  # fmt: skip
+                  bar, cuda: bool) -> None:  # fmt: skip
     """Decode steps on the working state at ``starts`` (capturing the graphs a request will
     replay), each unsampled and with each sampler structure; the state is put back."""
     state, runner = engine.state, engine.runner
@@ -261,6 +270,14 @@ def _decode_steps(engine, starts: list[int], variants: list[SamplingParams], con
                 else:
                     runner.device_decode.start(params, [tok], logits)
                     runner.decode_sampled(state)
+                if cuda:  # as in run_probe: a fault names its step
+                    try:
+                        torch.cuda.synchronize()
+                    except Exception as e:
+                        raise RuntimeError(
+                            f"warm-up: a decode step at position {s} "
+                            f"({params or 'unsampled'}) failed: {e}"
+                        ) from e
                 state.restore(snap, length)
                 bar.update(1)
     finally:

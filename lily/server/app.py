@@ -2,7 +2,7 @@
 
 ``lily serve`` (lily/cli.py) calls ``add_serve_args`` and ``run_server``. The engine loads in
 a background thread so ``/health`` answers 503 while it loads and while its kernels warm up
-(lily/runtime/warmup.py, with ``--warmup``); then one worker thread runs
+(lily/runtime/warmup.py; ``--no-warmup`` skips it); then one worker thread runs
 requests one at a time (serving.py). API keys, body limits and strict JSON are checked in
 front of the app (guard.py). SIGTERM drains: the port closes, requests already accepted
 (running or queued) finish, then the process exits 0.
@@ -74,10 +74,9 @@ class Settings:
     max_request_memory: int | None = None  # bytes; None: what the device or host has free
     drain_timeout: float = 30.0
     thinking_budget: int | None = None  # reasoning tokens before </think> is forced
-    # Compile every kernel variant before reporting ready. Off by default: on the H200
-    # (2026-12-02) a warm-up probe (a 4-token chunk after 2,048) hit an illegal memory
-    # access not yet isolated (docs/RELIABILITY.md).
-    warmup: bool = False
+    # Compile (or load from Triton's cache) every kernel variant before reporting ready, so
+    # the first request of each shape does not wait for compiles (docs/RELIABILITY.md).
+    warmup: bool = True
 
 
 class Context:
@@ -376,8 +375,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="reasoning tokens after which </think> is forced, when a request "
                    "sets no budget of its own (default: none; with a budget, thinking requests "
                    "sample on the host each step)")  # fmt: skip
-    p.add_argument("--warmup", action="store_true",
-                   help="compile the kernels before reporting ready (default: off; the first "
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile every kernel variant (or load it from Triton's cache) before "
+                   "reporting ready (default: on; --no-warmup starts at once, and the first "
                    "request of each shape waits for its compiles)")  # fmt: skip
     p.add_argument(
         "--drain-timeout",
@@ -444,7 +444,7 @@ def settings_from_args(
         max_request_memory=None if mem is None else int(mem * (1 << 20)),
         drain_timeout=args.drain_timeout,
         thinking_budget=budget,
-        warmup=bool(getattr(args, "warmup", False)),
+        warmup=bool(getattr(args, "warmup", True)),
     )
 
 

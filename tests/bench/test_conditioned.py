@@ -111,8 +111,8 @@ def _full_width(layers: int = 4, vocab: int = 4096) -> ModelConfig:
 
 
 def test_router_skew_still_favours_the_hot_experts():
-    """At the full widths, skew 2 (hot rows x3) gives the 8 hot experts about 3x their
-    share of layer 0's routing (the plain init's: about 5x)."""
+    """At the full widths, skew 2 (hot rows x3) gives the 8 hot experts about twice their
+    even share of layer 0's routing (measured 2.2x; the plain init's: about 5x)."""
     from lily.bench.random_model import random_tensor
 
     cfg = _full_width()
@@ -132,7 +132,99 @@ def test_router_skew_still_favours_the_hot_experts():
     base = hot_share(router)
     skewed = skewed_params({"layers.0.moe.router": router}, cfg.num_experts, 2.0)
     assert 0.5 < base < 1.5  # about their even share
-    assert hot_share(skewed["layers.0.moe.router"]) > 2.0 * base
+    assert hot_share(skewed["layers.0.moe.router"]) > max(1.8, 1.5 * base)
+
+
+def _full_width_tensor(cfg, name: str, recipe, embed=None):
+    from lily.bench.random_model import packing, random_tensor
+    from lily.weights import canonical_shapes
+
+    shape = canonical_shapes(cfg)[name]
+    return random_tensor(cfg, name, shape, packing(cfg)[name], torch.device("cpu"), 0,
+                         torch.float32, recipe, embed)  # fmt: skip
+
+
+def _text_rows(n: int, vocab: int) -> torch.Tensor:
+    """n pseudo-text ids with the full vocabulary's frequency profile, folded into vocab."""
+    return torch.tensor(pseudo_text_ids(n, model_config("full").vocab_size, seed=0)) % vocab
+
+
+def _no_fix(recipe):
+    """The recipe as the H200 measured it on 2026-12-02 (no zero-mean codes, attention
+    scaled without the text's repetition)."""
+    return dataclasses.replace(recipe, zero_mean=False, repeat=0.0)
+
+
+def test_token_codes_average_to_zero_over_tokens():
+    """Every token's k routed values are positive; the small ones lean negative so that no
+    direction is common to all tokens (without: 16% of a token's norm, which a long
+    context's attention average keeps: 4x its designed output at 4K on the H200)."""
+    cfg = _full_width()
+
+    def common(recipe) -> float:
+        x = dequantize(_full_width_tensor(cfg, "embed_tokens", recipe))
+        return (x.mean(0).norm() / x.pow(2).mean(0).sum().sqrt()).item()
+
+    assert common(conditioned.DEFAULT) < 0.04
+    assert common(_no_fix(conditioned.DEFAULT)) > 0.12
+
+
+def _attention_out_rms(cfg, recipe, layer: int, context: int, queries: int = 32) -> float:
+    """rms (over the layers' dims) of layer ``layer``'s attention output for ``queries``
+    pseudo-text tokens after ``context`` of them, the residual being the embedding."""
+    from lily.model.attention import attention_core
+    from lily.model.norm import rms_norm
+    from lily.model.rope import apply_rope, rope_cos_sin
+
+    w = {leaf: _full_width_tensor(cfg, f"layers.{layer}.{leaf}", recipe)
+         for leaf in ("input_norm", "attn.q_proj", "attn.k_proj", "attn.v_proj",
+                      "attn.o_proj", "attn.q_norm", "attn.k_norm")}  # fmt: skip
+    emb = _full_width_tensor(cfg, "embed_tokens", recipe)
+    n, dh, hkv = context + queries, cfg.head_dim, cfg.num_key_value_heads
+    h = rms_norm(dequantize(emb[_text_rows(n, cfg.vocab_size)]), w["input_norm"], 1e-6)
+    cos, sin = rope_cos_sin(torch.arange(n), cfg.rotary_dim, cfg.rope_theta)
+    k = rms_norm((h @ dequantize(w["attn.k_proj"]).T).view(n, hkv, dh), w["attn.k_norm"], 1e-6)
+    k = apply_rope(k, cos, sin).transpose(0, 1)
+    v = (h @ dequantize(w["attn.v_proj"]).T).view(n, hkv, dh).transpose(0, 1)
+    qg = (h[context:] @ dequantize(w["attn.q_proj"]).T).view(queries, -1, 2 * dh)
+    q = apply_rope(rms_norm(qg[..., :dh], w["attn.q_norm"], 1e-6), cos[context:], sin[context:])
+    o = attention_core(q, k, v, context, dh**-0.5).reshape(queries, -1)
+    y = (o * torch.sigmoid(qg[..., dh:].reshape(queries, -1))) @ dequantize(w["attn.o_proj"]).T
+    tok = conditioned.token_dims(cfg.hidden_size, recipe)
+    return y[:, ~tok].pow(2).mean().sqrt().item()
+
+
+def test_attention_output_after_a_long_context_is_as_designed():
+    """At the full size, the first attention layer after 2,048 pseudo-text tokens writes
+    about the output rms its plan sets (the earlier layers' output is small there, so the
+    residual is the embedding). The H200 model of 2026-12-02 wrote ~4x, which diluted
+    the token dims at the last norm until the bigram no longer led."""
+    cfg, rec = _full_width(layers=40), conditioned.DEFAULT
+    ratio = _attention_out_rms(cfg, rec, 3, 2048) / conditioned.plan(cfg, rec)[3].out_rms
+    assert 0.75 < ratio < 1.4, ratio
+    old = _no_fix(rec)
+    assert _attention_out_rms(cfg, old, 3, 2048) / conditioned.plan(cfg, old)[3].out_rms > 2.5
+
+
+def test_the_heads_logit_variance_is_split_as_designed():
+    """On the designed last residual (the embedding and Gaussian layers' dims of
+    ``w_energy`` times its energy), the token groups give (1 - logit_w_share) of the
+    logits' variance and the layers' dims the rest, within 15% in std (the bigram's
+    margin depends on it: a power-of-two multiplier had made it 1.5x)."""
+    cfg, rec = _full_width(), conditioned.DEFAULT
+    emb = _full_width_tensor(cfg, "embed_tokens", rec)
+    head = dequantize(_full_width_tensor(cfg, "lm_head", rec, emb))
+    tok = conditioned.token_dims(cfg.hidden_size, rec)
+    x = dequantize(emb[_text_rows(64, cfg.vocab_size)])
+    e_tok = x.pow(2).sum(-1, keepdim=True)
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(x.shape[0], int((~tok).sum()), generator=gen)
+    x[:, ~tok] = w * (rec.w_energy * e_tok / w.pow(2).sum(-1, keepdim=True)).sqrt()
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True))  # final norm weights ~1
+    tok_std = (h[:, tok] @ head[:, tok].T).std(-1).mean().item()
+    w_std = (h[:, ~tok] @ head[:, ~tok].T).std(-1).mean().item()
+    assert abs(tok_std / (rec.logit_std * (1 - rec.logit_w_share) ** 0.5) - 1) < 0.15
+    assert abs(w_std / (rec.logit_std * rec.logit_w_share**0.5) - 1) < 0.15
 
 
 def _deep_tiny() -> ModelConfig:
@@ -164,13 +256,12 @@ def _bf16_vs_fp32(cfg, recipe, n: int = 64) -> tuple[dict, float]:
 
 
 def test_bf16_agrees_with_fp32_through_40_layers_and_the_layers_matter():
-    """40 layers of the tiny widths, 64 positions (attention scaled for that context).
-    The tiny widths' per-layer bf16 errors are about 1.5x the full widths' (rel_delta ~1e-2
-    against ~6e-3), so the bound here is 1.2e-2; the issue's 1e-2 at the full size is
-    tests/bench/test_fidelity_gpu.py's."""
+    """40 layers of the tiny widths, 64 positions (attention scaled for that context), at
+    the issue's bars (measured: top-1 100%, rel L2 7.5e-3, layers-skipped rel L2 0.68);
+    the full size is tests/bench/test_fidelity_gpu.py's."""
     cfg = _deep_tiny()
     m, matter = _bf16_vs_fp32(cfg, dataclasses.replace(conditioned.DEFAULT, attn_context=64))
-    assert m["top1_agreement_pct"] >= 99.0 and m["rel_l2"] <= 1.2e-2, m
+    assert m["top1_agreement_pct"] >= 99.0 and m["rel_l2"] <= 1e-2, m
     assert matter >= 0.5
     plain, _ = _bf16_vs_fp32(cfg, None)  # the old init: the check must be able to fail
     assert plain["rel_l2"] > 10 * m["rel_l2"] and plain["top1_agreement_pct"] < 90, plain

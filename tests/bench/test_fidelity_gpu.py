@@ -1,9 +1,11 @@
 """Full-size fidelity on the GPU: the layer-local check and the bf16/kernel paths against
 the fp32 reference on the well-conditioned random model (issue 26). Skips without CUDA.
 
-The layer-local bounds are provisional (set from the CPU study of the same generator at
-reduced depth: bf16 reference rel_delta 6e-3 to 1.2e-2, rel_out under 3e-3); the lead
-sets them from the H200 measurement (lily/bench/gpu/e2e/fidelity.py)."""
+Bounds: end to end, issue 26's bars (top-1 99%, relative L2 1e-2 over 192 positions
+after 4K). Layer-local, from the H200 run of 2026-12-02 on the model before its
+zero-mean token codes (worst rel_out 3.4e-3, rel_delta 3.6e-2 at a DeltaNet layer whose
+own output was ~0.1 of the residual), with room for the new model's different residual
+mix; a wrong kernel gives about 1. Run lily/bench/gpu/e2e/fidelity.py for the numbers."""
 
 from __future__ import annotations
 
@@ -21,15 +23,16 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 CONTEXT = 4096
 # Per layer, |y_path - y_fp32| / |y_fp32| (the layer's output) and the same error over
-# |y_fp32 - x| (what the layer added). H200, 2026-12-02: the worst layer's delta error was
-# 3.6e-2 (layer 36, DeltaNet, bf16 reference, prefill); a wrong kernel gives about 1.
-MAX_REL_OUT = 1e-2
+# |y_fp32 - x| (what the layer added).
+MAX_REL_OUT = 6e-3
 MAX_REL_DELTA = 5e-2
-# End to end over 192 positions after 4K: the bf16 reference measured top-1 97.9% and rel
-# L2 7.9e-3 against fp32 on the H200 (2026-12-02). Issue 26's bar (99%) is not met yet:
-# these bounds are the measured level with room for one more flip or two, not the bar.
-MIN_TOP1 = 96.0
-MAX_REL_L2 = 1.5e-2
+# End to end over 192 positions after 4K: issue 26's bars.
+MIN_TOP1 = 99.0
+MAX_REL_L2 = 1e-2
+# The model must keep its top-1 clear of ties, or top-1 agreement measures rounding (the
+# model of 2026-12-02, as simulated: median lead ~0.4 logits; 7 of 192 flipped). Designed:
+# median ~11, 5th percentile ~8 (docs/notes/fidelity.md).
+MIN_MARGIN_P5 = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +64,9 @@ def test_bf16_and_kernels_agree_with_fp32_end_to_end_and_the_layers_matter(full)
     ecfg = EngineConfig(device="cuda", dtype="bfloat16", use_kernels=True, max_context=8192,
                         prefix_cache_gb=0.0)  # fmt: skip
     lk = score_runner(engine_from_params(cfg, params, ecfg), part[:-1], CONTEXT)
+    top = l32.topk(2, -1).values
+    lead = top[:, 0] - top[:, 1]
+    assert lead.quantile(0.05) >= MIN_MARGIN_P5, lead.sort().values[:12]
     for ours in (l16, lk):
         m = metrics(ours, l32, part[CONTEXT:])
         assert m["top1_agreement_pct"] >= MIN_TOP1 and m["rel_l2"] <= MAX_REL_L2, m

@@ -140,3 +140,13 @@ def test_compare_random_model_against_itself_in_fp32(tmp_path):
                     "--context", "16"], tmp_path)  # fmt: skip
     assert res["model"] == "random tiny (conditioned)"
     assert res["rel_l2"] == 0.0 and res["top1_agreement_pct"] == 100.0
+
+
+def test_mlx_lm_reads_the_conditioned_bytes_as_we_do(tmp_path):
+    """The conditioned model written for MLX-LM (zero groups, power-of-two router scales)
+    gives its fp32 logits within MLX's own rounding of ours, after a context."""
+    res = _compare(["--random", "tiny", "--reference", "mlx-lm", "--dtype", "float32",
+                    "--context", "24", "--positions", "16", "--disk-dir",
+                    str(tmp_path / "ckpt")], tmp_path)  # fmt: skip
+    assert (tmp_path / "ckpt" / "config.json").exists()
+    assert res["rel_l2"] < 1e-3 and res["top1_agreement_pct"] == 100.0

@@ -510,3 +510,50 @@ def test_prefill_rejects_bad_cuts():
             run_prefill(d, "chunk", cuts=cuts, snaps=[])
     with pytest.raises(ValueError, match="with a snaps list"):
         run_prefill(d, "chunk", cuts=(2,))
+
+
+def test_chunked_kernels_never_specialize_the_token_count():
+    """Every chunked recurrence kernel takes T as a plain argument: with T = 1 made a
+    constant, Triton 3.6's sm_90 code made illegal memory accesses on the H200 (the NOTE in
+    lily/ops/deltanet_recurrence.py; the GPU test below is the behaviour)."""
+    from lily.ops import deltanet_recurrence as rec
+
+    kernels = [rec._chunk_wy_kernel, rec._chunk_scan_kernel, rec._chunk_state_kernel,
+               rec._chunk_out_kernel]  # fmt: skip
+    for k in kernels:
+        if hasattr(k.fn, "params"):  # compiled: Triton's JITFunction
+            (t,) = [p for p in k.fn.params if p.name == "T"]
+            assert t.do_not_specialize, k.fn
+        else:  # the interpreter keeps the decorator's keywords
+            assert "T" in k.fn.kwargs["do_not_specialize"], k.fn
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="compiled sm_90 code (the interpreter does not "
+                    "specialize ints); test_chunked_kernels_never_specialize_the_token_count "
+                    "checks the cause on the CPU")  # fmt: skip
+@pytest.mark.parametrize(
+    "t,cuts,method",
+    [
+        (1, (), "chunk"),
+        (1, (), "chunk_par"),
+        (4, (1, 2), "chunk"),
+        (5, (1, 3), "chunk"),
+        (9, (1, 5), "chunk_par"),
+    ],  # fmt: skip
+    ids=["1-chunk", "1-chunk_par", "4-cuts-1-2", "5-cuts-1-3", "9-cuts-1-5-par"],
+)
+def test_prefill_one_token_pieces_cuda(t, cuts, method):
+    """At the model's head sizes (Hk 16, Hv 32, K = Vd = 128, chunks of 64), a chunk whose
+    recurrence runs a one-token piece (a 1-token chunk, or cuts at 1 and later: a fresh
+    4-token chat prompt) matches the fp32 reference, output and state at each cut. On the
+    H200 these faulted (illegal memory access) while T = 1 was specialized."""
+    d = make_inputs(t, dtype=torch.bfloat16, seed=11, hk=16, hv=32, kd=128, vd=128)
+    snaps: list = []
+    out, cs, st = run_prefill(d, method, chunk_size=64, cuts=cuts, snaps=snaps)
+    torch.cuda.synchronize()
+    ref_out, ref_cs, ref_st = reference(d)
+    assert rel(out, ref_out) < 1.5e-2 and rel(st, ref_st) < 2e-2
+    assert len(snaps) == len(cuts)
+    for c, (_, rec) in zip(cuts, snaps, strict=True):
+        head = {k: (v[:c] if k in ("mixed_qkv", "z", "b", "a") else v) for k, v in d.items()}
+        assert rel(rec, reference(head)[2]) < 2e-2, c

@@ -1,6 +1,6 @@
 """``lily serve`` without --max-context: the context the free memory allows is chosen, said at
 start, and a request past it gets a 400 naming the limit; /health is 503 while the kernels
-warm up with --warmup, and without it does not (in-process app, CPU)."""
+warm up by default, and with --no-warmup does not (in-process app, CPU)."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def test_health_waits_for_the_warm_up_and_the_flag_skips_it(tmp_path, monkeypatc
         release.wait(30)
 
     monkeypatch.setattr(warmup, "warm_up", slow_warm_up)
-    on = settings_from_args(build_parser().parse_args(["serve", "--warmup"]), environ={})
+    on = settings_from_args(build_parser().parse_args(["serve"]), environ={})
     assert on.warmup is True
     with TestClient(create_app(lambda: engine, on)) as client:
         deadline = time.monotonic() + 30
@@ -84,7 +84,7 @@ def test_health_waits_for_the_warm_up_and_the_flag_skips_it(tmp_path, monkeypatc
         while client.get("/health").status_code != 200:
             assert time.monotonic() < deadline
             time.sleep(0.02)
-    args = build_parser().parse_args(["serve"])
+    args = build_parser().parse_args(["serve", "--no-warmup"])
     assert settings_from_args(args, environ={}).warmup is False
     calls.clear()
     with TestClient(create_app(lambda: engine, settings_from_args(args, environ={}))) as client:

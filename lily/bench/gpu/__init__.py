@@ -6,10 +6,12 @@
   ones, lily.bench.kernels).
 - ``e2e.*``: end-to-end prefill and decode, multi-turn prefix reuse.
 - ``diagnostics.*``: where time goes (profiles, timelines, host time, launch floors, GEMV
-  traces) and hunts (non-finite values, races between runs).
+  traces, the persistent step's protocol floor) and hunts (non-finite values, races
+  between runs).
 
 What they share: ``full_model`` (the full-size random model and a kernel engine over it,
-the JSON output) and ``op_hooks`` (hooks on the model's ops).
+the JSON output), ``op_hooks`` (hooks on the model's ops) and ``persistent_stream`` (the
+persistent step's protocol kernel).
 """
 
 from __future__ import annotations

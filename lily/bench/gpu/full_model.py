@@ -8,7 +8,7 @@ import json
 from lily.bench.measure import env_info
 from lily.bench.random_model import model_config, random_params
 from lily.bench.source import engine_from_params
-from lily.config import EngineConfig
+from lily.config import EngineConfig, ModelConfig
 
 FULL = model_config("full")
 
@@ -19,12 +19,12 @@ def full_params() -> dict:
 
 
 def kernel_engine(params: dict, chunk: int = 4096, max_context: int = 65536,
-                  prefix_cache_gb: float = 0.0):  # fmt: skip
-    """An engine over ``params`` with the model on the Triton kernels in bf16."""
+                  prefix_cache_gb: float = 0.0, cfg: ModelConfig = FULL):  # fmt: skip
+    """An engine over ``params`` (of ``cfg``) with the model on the Triton kernels in bf16."""
     ecfg = EngineConfig(device="cuda", dtype="bfloat16", prefill_chunk=chunk,
                         max_context=max_context, use_kernels=True,
                         prefix_cache_gb=prefix_cache_gb)  # fmt: skip
-    return engine_from_params(FULL, params, ecfg)
+    return engine_from_params(cfg, params, ecfg)
 
 
 def write_json(path: str | None, args, **parts) -> None:

@@ -55,8 +55,8 @@ def main() -> int:
     from lily.runtime.warmup import kernel_variants, sampling_variants, warm_up
 
     t0 = time.perf_counter()
-    ecfg = EngineConfig(device="cuda", dtype="bfloat16", use_kernels=True, prefill_chunk=2048,
-                        max_context=None, prefix_cache_gb=1.0)  # fmt: skip
+    # lily serve's defaults (prefill chunk, prefix cache), the context the free memory allows
+    ecfg = EngineConfig(device="cuda", dtype="bfloat16", use_kernels=True, max_context=None)
     engine = engine_from_params(FULL, full_params(), ecfg, name="random full")
     torch.cuda.synchronize()
     build_s = time.perf_counter() - t0
