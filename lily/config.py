@@ -262,3 +262,7 @@ class EngineConfig:
     use_kernels: bool = False  # Triton paths (GPU); the reference path otherwise
     prefix_cache_gb: float = 1.0  # saved session states on the device (0 disables reuse)
     prefix_cache_host_gb: float = 0.0  # where they spill to when the device budget is full
+    # Kernel tables and switches of another GPU architecture ("sm_89": its small-shared-
+    # memory tiles, no PDL, no warpgroup MMA), to measure a fallback on an H200; None: the
+    # device's own (lily/ops/arch.py).
+    gpu_arch: str | None = None

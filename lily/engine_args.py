@@ -5,9 +5,11 @@ and ``lily bench`` all take them from here (configuration flows one way)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from lily.config import EngineConfig
+from lily.ops.arch import ARCHS
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -32,6 +34,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="device memory for earlier turns' saved states (0: no reuse)")  # fmt: skip
     p.add_argument("--prefix-cache-host-gb", type=float, default=0.0,
                    help="host memory they spill to when the device budget is full")  # fmt: skip
+    p.add_argument("--gpu-arch", default=os.environ.get("LILY_GPU_ARCH") or "auto",
+                   choices=["auto", *ARCHS],
+                   help="kernel tables and switches of this GPU architecture instead of the "
+                   "device's own, to measure a fallback (sm_89 on an H200: no PDL, no "
+                   "warpgroup MMA, small-shared-memory tiles); default $LILY_GPU_ARCH or "
+                   "auto")  # fmt: skip
 
 
 def engine_config(args: argparse.Namespace):
@@ -47,6 +55,10 @@ def engine_config(args: argparse.Namespace):
     kernels = args.kernels == "on" or (args.kernels == "auto" and device.startswith("cuda"))
     if getattr(args, "decode_prefill_chunk", 1) < 1:
         raise ValueError("--decode-prefill-chunk: must be at least 1 token")
+    arch = getattr(args, "gpu_arch", "auto")
+    if arch != "auto" and arch not in ARCHS:  # from LILY_GPU_ARCH (argparse checked a flag)
+        raise ValueError(f"LILY_GPU_ARCH: unknown GPU architecture {arch!r} "
+                         f"(known: {', '.join(ARCHS)})")  # fmt: skip
     if args.max_context is not None and args.max_context < 2:
         raise ValueError(f"--max-context: must be at least 2 tokens, got {args.max_context}")
     return EngineConfig(
@@ -62,6 +74,7 @@ def engine_config(args: argparse.Namespace):
         use_kernels=kernels,
         prefix_cache_gb=getattr(args, "prefix_cache_gb", 1.0),
         prefix_cache_host_gb=getattr(args, "prefix_cache_host_gb", 0.0),
+        gpu_arch=None if arch == "auto" else arch,
     )
 
 

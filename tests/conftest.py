@@ -34,6 +34,13 @@ except ImportError:  # pragma: no cover
 
 from pathlib import Path  # noqa: E402
 
+# LILY_GPU_ARCH=sm_89 runs the tests with that architecture's kernel tables and switches
+# (on an H200: the fallback, no PDL, no warpgroup MMA), before any kernel compiles.
+if os.environ.get("LILY_GPU_ARCH"):
+    from lily.ops.arch import force_arch
+
+    force_arch(os.environ["LILY_GPU_ARCH"])
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

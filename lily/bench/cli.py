@@ -28,6 +28,7 @@ def _source_kw(args: argparse.Namespace) -> dict:
         "prefill_chunk": ecfg.prefill_chunk,
         "use_kernels": ecfg.use_kernels,
         "max_context": ecfg.max_context,  # None: the largest the free memory allows
+        "gpu_arch": ecfg.gpu_arch,
     }
 
 

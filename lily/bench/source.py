@@ -43,6 +43,7 @@ def engine_config(source: dict) -> EngineConfig:
         prefill_chunk=source.get("prefill_chunk", EngineConfig.prefill_chunk),
         use_kernels=bool(source.get("use_kernels", False)),
         max_context=source.get("max_context", 262144),
+        gpu_arch=source.get("gpu_arch"),
     )
 
 

@@ -156,6 +156,7 @@ class LilyAdapter(BenchAdapter):
             "runner": "kernels" if self.engine.model.kernels else "reference ops",
             "use_kernels": ecfg.use_kernels,
             "prefill_chunk": ecfg.prefill_chunk,
+            "gpu_arch": ecfg.gpu_arch or "device's own",
         }
 
 

@@ -126,16 +126,13 @@ class Model:
         return x, snaps
 
     def forward(self, ids: Tensor, state, start: int | Tensor, max_len: int | None = None, *,
-                step: bool = False, cuts: Sequence[int] = (),
-                last: Tensor | None = None) -> tuple[Tensor, dict]:  # fmt: skip
-        """Logits (V,) of the last of ids (T,), and the snapshots of ``run``. ``last``: the
-        row whose logits are returned, as a one-element device index (a padded chunk). For
-        ``Rows``, the logits (B, V) of every row."""
+                step: bool = False, cuts: Sequence[int] = ()) -> tuple[Tensor, dict]:  # fmt: skip
+        """Logits (V,) of the last of ids (T,), and the snapshots of ``run``; for ``Rows``
+        the logits (B, V) of every row."""
         x, snaps = self.run(ids, state, start, max_len, step=step, cuts=cuts)
         if isinstance(state, Rows):
             return self.head(x, step), snaps
-        x = x[-1:] if last is None else x.index_select(0, last)
-        return self.head(x, step)[0], snaps
+        return self.head(x[-1:], step)[0], snaps
 
     def _position(self, start: int | Tensor, t: int, k: ops.Kernels | None) -> int | Tensor:
         # A one-token chunk takes the decode kernels, which read the position on the device.
@@ -153,16 +150,11 @@ class Model:
         eps = cfg.rms_norm_eps
         mw = lw.mixer
         parts = ops.project(x, h, lw.input_norm, mw.proj, eps, k)
-        # NOTE: a graph's state (lily/runtime/prefill_graph.py) names its buffers in device
-        # tables, which the kernels read; a SessionState's layers have none.
         if isinstance(state, Rows):
             o = self._mixer_rows(i, mw, parts, state, start, max_len, k)
         elif isinstance(mw, DeltaNetWeights):
             st = state.deltanet[i]
-            table = getattr(st, "table", None)
-            if table is not None:
-                o = ops.deltanet(parts, mw, st.conv, st.recurrent, eps, k, table=table)
-            elif cuts:
+            if cuts:
                 got: list = []
                 o = ops.deltanet(parts, mw, st.conv, st.recurrent, eps, k, cuts, got)
                 for c, s in zip(cuts, got, strict=True):
@@ -171,8 +163,7 @@ class Model:
                 o = ops.deltanet(parts, mw, st.conv, st.recurrent, eps, k)
         else:
             kv = state.kv[i]
-            o = ops.attention(parts, mw, kv.k, kv.v, start, max_len, cfg, k,
-                              getattr(kv, "table", None))  # fmt: skip
+            o = ops.attention(parts, mw, kv.k, kv.v, start, max_len, cfg, k)
         x, h = ops.out_norm(o, mw.out_proj, x, lw.post_norm, eps, k)
         return ops.moe(x, h, lw.post_norm, lw.moe, next_norm, cfg, k)
 

@@ -177,18 +177,11 @@ def head(x: Tensor, norm_w: Tensor, w: Weight, eps: float, k: Kernels | None) ->
 
 def deltanet(parts: Sequence[Tensor], w: DeltaNetWeights, conv_state: Tensor, state: Tensor,
              eps: float, k: Kernels | None, cuts: Sequence[int] = (),
-             snaps: list | None = None, table: Tensor | None = None) -> Tensor:  # fmt: skip
+             snaps: list | None = None) -> Tensor:  # fmt: skip
     """The DeltaNet mixer over the projections ``parts`` = (qkv, z, b, a), each (T, N),
     updating the conv and recurrent states in place; (T, Hv*Vd). ``cuts``/``snaps``: the
-    states after the first ``c`` tokens, as in ``deltanet_mixer``. ``table`` (kernels, a
-    prefill chunk): the states, token rows and cut named on the device (``deltanet_prefill``;
-    a captured graph's chunk)."""
+    states after the first ``c`` tokens, as in ``deltanet_mixer``."""
     qkv, z, b, a = parts
-    if table is not None:
-        if k is None:
-            raise ValueError("deltanet: a state table needs the kernels")
-        return deltanet_prefill(qkv, z, b, a, w.conv1d, conv_state, w.A_log, w.dt_bias, w.norm,
-                                state, eps, table=table)  # fmt: skip
     if k is None:
         return deltanet_mixer(qkv, z, b, a, w.conv1d, conv_state, w.A_log, w.dt_bias, w.norm,
                               state, eps, cuts, snaps)  # fmt: skip
@@ -237,20 +230,12 @@ def attention_rows(parts: Sequence[Tensor], w: AttentionWeights,
 
 
 def attention(parts: Sequence[Tensor], w: AttentionWeights, k_cache: Tensor, v_cache: Tensor,
-              start: int | Tensor, max_len: int, cfg: ModelConfig, k: Kernels | None,
-              table: Tensor | None = None) -> Tensor:  # fmt: skip
+              start: int | Tensor, max_len: int, cfg: ModelConfig,
+              k: Kernels | None) -> Tensor:  # fmt: skip
     """Gated attention of the projections ``parts`` = (qg, k, v) at positions from
-    ``start`` (an int, or a one-element device tensor in a graph), writing K/V into the
-    caches; (T, H*Dh). ``max_len`` bounds the context of a graph (a decode step's kernels
-    are sized by it; a prefill chunk's split keys are chosen for it). ``table`` (kernels, a
-    prefill chunk): the caches named on the device (``attention_prefill``)."""
+    ``start`` (an int, or a one-element device tensor in a decode step), writing K/V into
+    the caches; (T, H*Dh). ``max_len`` bounds the context of a decode step's graph."""
     qg, kk, v = parts
-    if table is not None:
-        if k is None:
-            raise ValueError("attention: a cache table needs the kernels")
-        return attention_prefill(qg, kk, v, w.q_norm, w.k_norm, k_cache, v_cache, start,
-                                 k.inv_freq, cfg.rms_norm_eps, context=max_len,
-                                 table=table)  # fmt: skip
     if k is None:
         return attention_mixer(qg, kk, v, w.q_norm, w.k_norm, k_cache, v_cache, int(start),
                                cfg.rotary_dim, cfg.rope_theta, cfg.rms_norm_eps)  # fmt: skip

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.ops.arch import DEFAULT, Arch, current_arch
 from lily.ops.launch import cdiv, check, launched, pow2
 from lily.ops.norm_rope import rms_rope_apply, rms_rope_load, sigmoid
 
@@ -190,6 +191,30 @@ def default_split(max_len: int) -> int:
     return 512 if max_len <= 65536 else 1024
 
 
+def decode_block_n(arch: Arch, elem_bytes: int = 2) -> int:
+    """Keys a step of the decode kernel: 64 (74 KiB of shared memory at Dh 256 in bf16, on
+    every arch); with an fp32 cache 148 KiB, more than 99 KiB GPUs have: 32 there (82)."""
+    return 32 if elem_bytes > 2 and not arch.big_smem else 64
+
+
+def decode_plan(
+    max_len: int,
+    arch: Arch = DEFAULT,
+    split_threshold: int = 256,
+    split: int | None = None,
+    block_n: int | None = None,
+    elem_bytes: int = 2,
+) -> tuple[int, int, int]:
+    """(rows per split block, 0 for the plain variant; key tile; split blocks) of a graph
+    built for ``max_len`` rows. The compile matrix scans it over every context length."""
+    block_n = block_n or decode_block_n(arch, elem_bytes)
+    if split is None:
+        split = default_split(max_len) if max_len >= split_threshold else 0
+    if 16 <= split < block_n:
+        block_n = split  # small blocks (tests) take a smaller tile
+    return split, block_n, cdiv(max_len, split) if split else 1
+
+
 def attention_decode(
     qg: Tensor,
     k: Tensor,
@@ -205,7 +230,7 @@ def attention_decode(
     max_len: int | None = None,
     split_threshold: int = 256,
     split: int | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> Tensor:
@@ -217,7 +242,8 @@ def attention_decode(
     batch dim of 1 is allowed on qg, k, v. ``max_len`` bounds pos+1 (default T_max; keep it
     fixed within a captured graph): at or above ``split_threshold`` the split-KV variant runs
     with blocks of ``split`` rows (default ``default_split(max_len)``; 0 forces the plain
-    variant, which was slower than split-KV from 256 context on in the H200 sweep). Returns
+    variant, which was slower than split-KV from 256 context on in the H200 sweep); keys a
+    step ``block_n`` (default ``decode_block_n`` of the arch and cache dtype). Returns
     (H*Dh,) in qg's dtype.
 
     NOTE: no programmatic dependent launch here: with it (the kernels and the output
@@ -262,10 +288,8 @@ def attention_decode(
     tensors = (qg, k, v, q_norm, k_norm, k_cache, v_cache, pos, inv_freq)
     _check(all(x.device == k_cache.device for x in tensors), "all tensors must be on one device")
     max_len = t_max if max_len is None else min(max_len, t_max)
-    if split is None:
-        split = default_split(max_len) if max_len >= split_threshold else 0
-    if 16 <= split < block_n:
-        block_n = split  # small blocks (tests) take a smaller tile
+    split, block_n, nb = decode_plan(max_len, current_arch(qg.device), split_threshold, split,
+                                     block_n, k_cache.element_size())  # fmt: skip
     _check(
         split == 0 or split % block_n == 0,
         f"split must be 0 or a multiple of block_n={block_n}, got {split}",
@@ -275,7 +299,6 @@ def attention_decode(
     g = h // hkv
     gp = max(16, pow2(g))
     sm_scale = dh**-0.5 * LOG2E
-    nb = cdiv(max_len, split) if split else 1
     if split:
         o_part = torch.empty(hkv, nb, g, dh, dtype=torch.float32, device=qg.device)
         lse_part = torch.empty(hkv, nb, g, dtype=torch.float32, device=qg.device)

@@ -13,17 +13,19 @@ Kernels:
    has few programs, each walking all the keys, so the GPU's last wave runs nearly empty;
    then each program takes one share of the key tiles and writes a normalised fp32 partial
    and its log-sum-exp, and ``_flash_combine_kernel`` merges the shares and applies the gate.
-``start`` may be a Python int or a one-element device tensor. With a ``table`` the caches'
-addresses and capacity are read on the device too (a captured graph then serves any state).
+``start`` may be a Python int or a one-element device tensor.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from lily.ops.launch import cdiv, check, launched, pow2, table_pointer
+from lily.ops.arch import DEFAULT, Arch, current_arch
+from lily.ops.launch import cdiv, check, launched, pow2
 from lily.ops.norm_rope import rms_rope_rows, sigmoid
 
 Tensor = torch.Tensor
@@ -31,25 +33,14 @@ Tensor = torch.Tensor
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
-def _table_caches(p_tab, k_cache, v_cache):
-    """The caches' addresses and capacity from a table (int64: K, V, T_max)."""
-    k_cache = table_pointer(p_tab, 0, k_cache)
-    v_cache = table_pointer(p_tab, 1, v_cache)
-    return k_cache, v_cache, tl.load(p_tab + 2).to(tl.int32)
-
-
 @launched
 @triton.jit
 def _prep_kernel(
     qg, k, v, q_norm, k_norm, inv_freq, p_start, q_buf, k_cache, v_cache, T, T_MAX, stride_qg,
-    stride_k, stride_v, eps, p_tab, H: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr,
+    stride_k, stride_v, eps, H: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr,
     R: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, START_PTR: tl.constexpr,
-    TAB: tl.constexpr,
 ):  # fmt: skip
     i_t, i_g = tl.program_id(0), tl.program_id(1)
-    if TAB:
-        k_cache, v_cache, T_MAX = _table_caches(p_tab, k_cache, v_cache)
     if START_PTR:  # a device position (graph-safe); else the host's int
         start = tl.load(p_start).to(tl.int32)
     else:
@@ -57,12 +48,8 @@ def _prep_kernel(
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
     o_d = tl.arange(0, BD)
-    # NOTE: rows past the cache (padding of a graph's chunk, or a device start too large: a
-    # caller's bug) write no K/V; their queries are written all the same, so that such rows
-    # stay finite (a padding row's value reaches the next DeltaNet layer, whose products
-    # multiply it by 0: a NaN there would spread to the token rows)
-    m_tq = m_t[:, None] & (o_d < DH)[None, :]
-    m_td = m_tq & (start + o_t < T_MAX)[:, None]
+    # NOTE: rows past the cache (a device start too large: a caller's bug) are not written
+    m_td = (m_t & (start + o_t < T_MAX))[:, None] & (o_d < DH)[None, :]
     if i_g < H:  # a query head
         b_q = rms_rope_rows(
             qg,
@@ -79,7 +66,7 @@ def _prep_kernel(
         tl.store(
             q_buf + (o_t[:, None] * H + i_g) * DH + o_d[None, :],
             b_q.to(q_buf.dtype.element_ty),
-            mask=m_tq,
+            mask=m_td,
         )
     else:  # a KV head: K normed and rotated, V as is, both into the cache
         i_h = i_g - H
@@ -96,13 +83,10 @@ def _prep_kernel(
 @triton.jit
 def _flash_kernel(
     qg, q_buf, k_cache, v_cache, p_start, out, o_part, lse_part, T, T_MAX, stride_qg, sm_scale,
-    n_split, p_tab, H: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, BM: tl.constexpr,
+    n_split, H: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, BM: tl.constexpr,
     BN: tl.constexpr, BD: tl.constexpr, IS_SPLIT: tl.constexpr, START_PTR: tl.constexpr,
-    TAB: tl.constexpr,
 ):  # fmt: skip
     i_m, i_kvh, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if TAB:
-        k_cache, v_cache, T_MAX = _table_caches(p_tab, k_cache, v_cache)
     G: tl.constexpr = H // HKV
     BMT: tl.constexpr = BM // G  # tokens per program
     if START_PTR:
@@ -220,23 +204,49 @@ def _flash_combine_kernel(
     tl.store(p_out, b_o.to(out.dtype.element_ty), mask=m_rd)
 
 
-SMEM_PER_SM = 227 * 1024  # usable shared memory of an SM (H100/H200)
+@dataclass(frozen=True)
+class FlashTile:
+    """One flash program: ``block_m`` query rows (tokens times the G heads of a KV head),
+    ``block_n`` keys a step, its warps and pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
 
 
-def flash_per_sm(block_m: int, block_n: int, dh: int, warps: int, stages: int, cache) -> int:
-    """Flash programs resident on one SM: shared memory holds the Q tile and ``stages``
-    K and V tiles; the kernel takes nearly all 255 registers a thread, so 8 warps an SM
-    by registers. At Dh 256 (sm_90, compiled): 64 x 32 at 4 warps 96 KB (2 an SM), 128 x 32
-    at 8 warps 128 KB (1 an SM)."""
+def flash_tile(arch: Arch, elem_bytes: int = 2) -> FlashTile:
+    """The flash tile of an architecture and KV-cache element size (the compile matrix
+    checks each fits).
+
+    H200: 128 query rows x 64 keys on 8 warps (two warpgroups), 2 stages: faster than
+    64 x 32 on 4 warps at every chunk and history measured, 3-8% (H200,
+    bench/results/attn_tiles_all_h200.json); at Dh 256 it takes 192 KiB of shared memory
+    on sm_90 and 144 KiB with MMAv2, so sm_80 (163 KiB) keeps it. With 99 KiB a block
+    (sm_86, sm_89, sm_120) 64 x 32 on 4 warps, 2 stages: 68 KiB, at most 24 bytes of
+    spills (64 x 64 took 104 KiB, 128 x 32 104 KiB, 128 x 64 on one stage 112 KiB).
+    An fp32 cache (``--dtype float32``) doubles every K/V tile: 128 x 64 took 384 KiB on
+    sm_90 (it could not launch on the H200 either); 32 x 32 on 4 warps takes 100 KiB and
+    32 x 16 66 KiB, neither spills."""
+    if elem_bytes > 2:
+        return FlashTile(32, 32, 4, 2) if arch.big_smem else FlashTile(32, 16, 4, 2)
+    if arch.big_smem:
+        return FlashTile(128, 64, 8, 2)
+    return FlashTile(64, 32, 4, 2)
+
+
+def flash_per_sm(block_m: int, block_n: int, dh: int, warps: int, stages: int, cache,
+                 smem: int = DEFAULT.smem) -> int:  # fmt: skip
+    """Flash programs resident on one SM with ``smem`` bytes of shared memory: it holds the
+    Q tile and ``stages`` K and V tiles; the kernel takes nearly all 255 registers a
+    thread, so 8 warps an SM by registers. At Dh 256 (sm_90, compiled): 64 x 32 at 4 warps
+    96 KB (2 an SM), 128 x 32 at 8 warps 128 KB (1 an SM)."""
     e = cache.element_size()
-    smem = block_m * dh * e + stages * 2 * block_n * dh * e
-    return max(1, min(SMEM_PER_SM // smem, 8 // warps))
+    tile = block_m * dh * e + stages * 2 * block_n * dh * e
+    return max(1, min(smem // tile, 8 // warps))
 
 
 PART_BYTES = 128 * 2**20  # cap on the split partials of one call (fp32, all shares)
-# a captured graph's call (table mode) keeps its partials in the graph pool for good: a
-# tighter cap (the splits that chunks of 384-1,024 tokens choose fit it)
-TABLE_PART_BYTES = 32 * 2**20
 
 
 def flash_split(programs: int, keys: int, slots: int, block_n: int, max_split: int = 16) -> int:
@@ -277,50 +287,33 @@ def attention_prefill(
     inv_freq: Tensor,
     eps: float = 1e-6,
     *,
-    # 128 query rows x 64 keys on 8 warps (two warpgroups): faster than 64 x 32 on 4 warps
-    # at every chunk and history measured, 3-8% (H200, bench/results/attn_tiles_all_h200.json)
-    block_m: int = 128,
-    block_n: int = 64,
-    num_warps: int = 8,
-    num_stages: int = 2,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     split: int | None = None,
-    context: int | None = None,
-    table: Tensor | None = None,
 ) -> Tensor:
     """Gated causal attention of T tokens at positions [start, start+T) (MODEL.md).
 
     qg (T, H*2*Dh): per head Dh query then Dh gate; k, v (T, Hkv*Dh); q_norm, k_norm (Dh,)
     (multipliers); k_cache, v_cache (Hkv, T_max, Dh) with rows [0, start) filled, rows
-    [start, start+T) written here; start an int or one-element int device tensor (rows past
-    T_max are then not written); inv_freq (R/2,) fp32 from ``rope_inv_freq``.
+    [start, start+T) written here; start an int or one-element int device tensor (then the
+    caller guarantees start + T <= T_max); inv_freq (R/2,) fp32 from ``rope_inv_freq``.
     Returns (T, H*Dh) in qg's dtype. ``split``: key splits (partials merged by a second
-    kernel); by default ``flash_split`` picks them when start is an int, or, with a device
-    start, for ``context // 2`` keys when ``context`` (the most keys a row may see: a
-    graph's bound) is given, else 1.
-
-    ``table``: a (3,) int64 device tensor holding K's and V's addresses and their T_max,
-    read by the kernels instead of the caches' (a graph captured once serves any state);
-    k_cache and v_cache then give only the dtype, Hkv and Dh (any T_max, any strides).
-    NOTE: the caches the table names must be contiguous (Hkv, T_max, Dh) of that dtype.
+    kernel); by default ``flash_split`` picks them when start is an int, else 1. The tile
+    (``block_m`` ... ``num_stages``) is ``flash_tile`` of the architecture unless given.
     """
     _check(
         k_cache.dim() == 3
         and k_cache.shape == v_cache.shape
-        and (table is not None or (k_cache.is_contiguous() and v_cache.is_contiguous()))
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
         and k_cache.dtype == v_cache.dtype,
         lambda: (
             f"k_cache and v_cache must be contiguous (Hkv, T_max, Dh) of one dtype, got "
             f"{tuple(k_cache.shape)} {k_cache.dtype} and {tuple(v_cache.shape)} {v_cache.dtype}"
         ),
     )
-    if table is not None:
-        _check(
-            table.shape == (3,) and table.dtype == torch.int64 and table.device == k_cache.device,
-            lambda: (
-                f"table must be a (3,) int64 tensor on {k_cache.device}, got "
-                f"{tuple(table.shape)} {table.dtype} on {table.device}"
-            ),
-        )
     hkv, t_max, dh = k_cache.shape
     _check(
         qg.dim() == 2 and qg.shape[1] % (2 * dh) == 0 and qg.stride(1) == 1,
@@ -330,6 +323,12 @@ def attention_prefill(
     _check(t > 0, "empty chunk (T = 0)")
     _check(h % hkv == 0, lambda: f"{h} query heads do not group over {hkv} KV heads")
     g = h // hkv
+    arch = current_arch(qg.device)
+    tile = flash_tile(arch, k_cache.element_size())
+    block_m = block_m or tile.block_m
+    block_n = block_n or tile.block_n
+    num_warps = num_warps or tile.num_warps
+    num_stages = num_stages or tile.num_stages
     # qg, k and v may be column slices of one fused projection output (rows contiguous)
     for name, x in (("k", k), ("v", v)):
         _check(
@@ -351,13 +350,17 @@ def attention_prefill(
         lambda: f"block_m={block_m} must be a multiple of the group size {g} (and positive)",
     )
     q_blocks = cdiv(t, block_m // g)  # programs along the tokens, per KV head
-    keys = None  # the keys the split is chosen for
     if isinstance(start, int):
         _check(
-            0 <= start and (table is not None or start + t <= t_max),
+            0 <= start and start + t <= t_max,
             lambda: f"positions [{start}, {start + t}) do not fit a cache of {t_max}",
         )
-        keys = start + t
+        if split is None and qg.is_cuda:
+            n_sm = torch.cuda.get_device_properties(qg.device).multi_processor_count
+            per_sm = flash_per_sm(block_m, block_n, dh, num_warps, num_stages, k_cache,
+                                  arch.smem)  # fmt: skip
+            cap = max(1, PART_BYTES // (t * h * dh * 4))
+            split = flash_split(q_blocks * hkv, start + t, n_sm * per_sm, block_n, min(16, cap))
         # NOTE: an int start goes to the kernels as an argument: a device copy of it cost
         # each attention layer a host tensor, a pinned copy and a transfer.
         start_ptr = False
@@ -367,18 +370,10 @@ def attention_prefill(
             lambda: f"start must be an int or a one-element integer tensor, got {start.dtype}",
         )
         start_ptr = True
-        if context is not None:
-            keys = max(t, context // 2)
-    if split is None and keys is not None and qg.is_cuda:
-        n_sm = torch.cuda.get_device_properties(qg.device).multi_processor_count
-        per_sm = flash_per_sm(block_m, block_n, dh, num_warps, num_stages, k_cache)
-        cap = max(1, (PART_BYTES if table is None else TABLE_PART_BYTES) // (t * h * dh * 4))
-        split = flash_split(q_blocks * hkv, keys, n_sm * per_sm, block_n, min(16, cap))
     split = split or 1
     _check(split >= 1, lambda: f"split must be >= 1, got {split}")
     tensors = [qg, k, v, q_norm, k_norm, k_cache, v_cache, inv_freq] + [start] * start_ptr
     _check(all(x.device == k_cache.device for x in tensors), "all tensors must be on one device")
-    tab = table if table is not None else k_cache  # (the kernels ignore it without TAB)
 
     bd = pow2(dh)
     q_buf = torch.empty(t, h, dh, dtype=k_cache.dtype, device=qg.device)
@@ -400,7 +395,6 @@ def attention_prefill(
         k.stride(0),
         v.stride(0),
         eps,
-        tab,
         H=h,
         HKV=hkv,
         DH=dh,
@@ -408,7 +402,6 @@ def attention_prefill(
         BT=bt,
         BD=bd,
         START_PTR=start_ptr,
-        TAB=table is not None,
         num_warps=4,
     )
     out = torch.empty(t, h * dh, dtype=qg.dtype, device=qg.device)
@@ -419,9 +412,8 @@ def attention_prefill(
         o_part = lse_part = out
     _flash_kernel[(q_blocks, hkv, split)](
         qg, q_buf, k_cache, v_cache, start, out, o_part, lse_part, t, t_max, qg.stride(0),
-        dh**-0.5 * LOG2E, split, tab, H=h, HKV=hkv, DH=dh, BM=block_m, BN=block_n, BD=bd,
-        IS_SPLIT=split > 1, START_PTR=start_ptr, TAB=table is not None, num_warps=num_warps,
-        num_stages=num_stages,
+        dh**-0.5 * LOG2E, split, H=h, HKV=hkv, DH=dh, BM=block_m, BN=block_n, BD=bd,
+        IS_SPLIT=split > 1, START_PTR=start_ptr, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split > 1:
         br = 16

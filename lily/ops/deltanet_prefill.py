@@ -34,9 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.ops.arch import Arch, current_arch
 from lily.ops.deltanet_decode import deltanet_gates
 from lily.ops.deltanet_recurrence import recurrence
-from lily.ops.launch import cdiv, check, launched, pow2, table_pointer
+from lily.ops.launch import cdiv, check, launched, pow2
 from lily.ops.norm_rope import gated_rmsnorm, silu
 
 Tensor = torch.Tensor
@@ -61,17 +62,11 @@ def _conv_state_after(x, conv_state, n, stride_x, ch, m_c, C: tl.constexpr, W: t
 @triton.jit(do_not_specialize=["cut"])
 def _prep_kernel(
     x, conv_w, conv_state, conv_snap, b, a, A_log, dt_bias, y, g, beta, T, cut, stride_x,
-    stride_b, stride_a, q_scale, p_tab, HK: tl.constexpr,
+    stride_b, stride_a, q_scale, HK: tl.constexpr,
     HV: tl.constexpr, K: tl.constexpr, VD: tl.constexpr, W: tl.constexpr, BT: tl.constexpr,
-    BC: tl.constexpr, WP: tl.constexpr, HAS_CUT: tl.constexpr, TAB: tl.constexpr,
+    BC: tl.constexpr, WP: tl.constexpr, HAS_CUT: tl.constexpr,
 ):  # fmt: skip
     i_t, i_g = tl.program_id(0), tl.program_id(1)
-    n = T  # rows that are tokens; with a table, those past its count are padding
-    if TAB:
-        conv_state = table_pointer(p_tab, 0, conv_state)
-        conv_snap = table_pointer(p_tab, 2, conv_snap)
-        n = tl.load(p_tab + 4).to(tl.int32)
-        cut = tl.load(p_tab + 5).to(tl.int32)
     C: tl.constexpr = 2 * HK * K + HV * VD
     # program roles: i_g < HK a q head, < 2*HK a k head, else a v head (width VD)
     is_v = i_g >= 2 * HK
@@ -111,9 +106,6 @@ def _prep_kernel(
             tl.load(A_log + i_h),
             tl.load(dt_bias + i_h),
         )
-        if TAB:  # a padding row leaves the state as it is: decay 1 (g = 0), no write (beta 0)
-            b_g = tl.where(o_t < n, b_g, 0.0)
-            b_beta = tl.where(o_t < n, b_beta, 0.0)
         tl.store(g + o_t * HV + i_h, b_g, mask=m_t)
         tl.store(beta + o_t * HV + i_h, b_beta, mask=m_t)
 
@@ -123,13 +115,23 @@ def _prep_kernel(
         o_w = tl.arange(0, WP)
         p_w = o_w[:, None] * C + ch[None, :]
         m_wc = (o_w < W - 1)[:, None] & m_c[None, :]
-        b_n = _conv_state_after(x, conv_state, n, stride_x, ch, m_c, C, W, WP)
+        b_n = _conv_state_after(x, conv_state, T, stride_x, ch, m_c, C, W, WP)
         if HAS_CUT:  # the snapshot at the cut, from this launch (no copy kernel of its own)
-            # (a table's cut of 0 means none)
             b_s = _conv_state_after(x, conv_state, cut, stride_x, ch, m_c, C, W, WP)
-            tl.store(conv_snap + p_w, b_s.to(conv_snap.dtype.element_ty), mask=m_wc & (cut > 0))
+            tl.store(conv_snap + p_w, b_s.to(conv_snap.dtype.element_ty), mask=m_wc)
         tl.debug_barrier()
         tl.store(conv_state + p_w, b_n.to(conv_state.dtype.element_ty), mask=m_wc)
+
+
+def chunk_tile(arch: Arch, elem_bytes: int = 2) -> tuple[int, int | None]:
+    """(value columns a program, warps; None: the recurrence's own choice) of the "chunk"
+    recurrence: 32 columns, no spills at K = Vd = 128 in bf16 (mixer_kernels.md). fp32
+    inputs (a 2-8 token chunk with ``--dtype float32``) spilled 576-648 B a thread without
+    warpgroup MMA (sm_80 to sm_120): 16 columns on 8 warps there, 84 KiB and at most
+    112 B. The columns of the state are independent: the same maths either way."""
+    if elem_bytes > 2 and not arch.wgmma:
+        return 16, 8
+    return 32, None
 
 
 def _check(cond: bool, msg) -> None:
@@ -155,7 +157,6 @@ def deltanet_prefill(
     num_warps: int | None = None,
     cuts: Sequence[int] = (),
     snaps: list | None = None,
-    table: Tensor | None = None,
 ) -> Tensor:
     """Gated DeltaNet mixer over T tokens (MODEL.md), updating ``conv_state`` and ``state``.
 
@@ -171,22 +172,13 @@ def deltanet_prefill(
     the gates and the norm still run once. "chunk" stores the state at the last cut from
     inside its kernels (one recurrence launch pair with one cut); any earlier cut, and
     every cut of the other methods, splits the recurrence into pieces there.
-
-    ``table`` (method "chunk", no ``cuts``): a (6,) int64 device tensor read by the kernels
-    instead of host values, so that a CUDA graph captured once serves any state, any chunk
-    length up to T and any cut: the addresses of the conv state, the state, and of the
-    conv state and state at the cut (snapshots written there), the rows that are tokens
-    (1..T: the rest is padding, which leaves both states as they are) and the cut (an
-    offset in (0, rows), or 0 for none). conv_state and state then give only shapes and
-    dtypes. NOTE: the buffers the table names must be contiguous, of those shapes and dtypes.
     """
     _check(
         method in ("chunk", "chunk_par", "scan"),
         lambda: f"method must be 'chunk', 'chunk_par' or 'scan', got {method!r}",
     )
-    tab = table is not None
     _check(
-        state.dim() == 3 and state.dtype == torch.float32 and (tab or state.is_contiguous()),
+        state.dim() == 3 and state.dtype == torch.float32 and state.is_contiguous(),
         lambda: (
             f"state must be a contiguous fp32 (Hv, K, Vd) tensor, got {tuple(state.shape)} "
             f"{state.dtype}"
@@ -207,7 +199,7 @@ def deltanet_prefill(
         lambda: f"conv width C={c} is not 2*Hk*K + Hv*Vd with K={kd}, Hv={hv}, Vd={vd}",
     )
     _check(
-        conv_state.dim() == 2 and conv_state.shape[1] == c and (tab or conv_state.is_contiguous()),
+        conv_state.dim() == 2 and conv_state.shape[1] == c and conv_state.is_contiguous(),
         lambda: f"conv_state must be contiguous (W-1, {c}), got {tuple(conv_state.shape)}",
     )
     width = conv_state.shape[0] + 1
@@ -246,18 +238,6 @@ def deltanet_prefill(
         lambda: f"the chunked form needs K, Vd >= 16 (tensor-core tiles), got K={kd}, Vd={vd}",
     )
     dev, bk, bvd = state.device, pow2(kd), pow2(vd)
-    if tab:
-        _check(
-            method == "chunk" and not cuts,
-            lambda: f"a table needs method 'chunk' and no cuts, got {method!r}, {list(cuts)}",
-        )
-        _check(
-            table.shape == (6,) and table.dtype == torch.int64 and table.device == dev,
-            lambda: (
-                f"table must be a (6,) int64 tensor on {dev}, got {tuple(table.shape)} "
-                f"{table.dtype} on {table.device}"
-            ),
-        )
 
     _check(
         list(cuts) == sorted(set(cuts)) and all(0 < c < t for c in cuts) and
@@ -281,12 +261,16 @@ def deltanet_prefill(
     _prep_kernel[(cdiv(t, bt_prep), 2 * hk + hv)](
         mixed_qkv, conv_weight, conv_state, conv_cuts[-1] if cuts else conv_state, b, a, A_log,
         dt_bias, y, g, beta, t, cuts[-1] if cuts else 0, mixed_qkv.stride(0), b.stride(0),
-        a.stride(0), kd**-0.5, table if tab else g, HK=hk, HV=hv, K=kd, VD=vd, W=width,
-        BT=bt_prep, BC=max(bk, bvd), WP=wp, HAS_CUT=bool(cuts) or tab, TAB=tab, num_warps=4,
+        a.stride(0), kd**-0.5, HK=hk, HV=hv, K=kd, VD=vd, W=width, BT=bt_prep, BC=max(bk, bvd),
+        WP=wp, HAS_CUT=bool(cuts), num_warps=4,
     )  # fmt: skip
     dims = {"HK": hk, "HV": hv, "K": kd, "VD": vd, "BK": bk}
 
     # 2. the recurrence (+ the norm where a program sees whole heads)
+    if method == "chunk":
+        tile_v, tile_warps = chunk_tile(current_arch(dev), mixed_qkv.element_size())
+        block_v = block_v or tile_v
+        num_warps = num_warps or tile_warps
     if block_v is None:
         # no register spills at the real shapes (K = Vd = 128, sm_90): see mixer_kernels.md
         block_v = 16 if method == "scan" else 32
@@ -317,7 +301,7 @@ def deltanet_prefill(
         recurrence(
             y[rows], g[rows], beta[rows], z[rows], norm_weight, state, o_buf[rows],
             None if w is None else w[rows], None if u is None else u[rows], eps, method,
-            chunk_size, bv, nv, fuse, num_warps, dims, cut=cut, snap=snap, table=table,
+            chunk_size, bv, nv, fuse, num_warps, dims, cut=cut, snap=snap,
         )  # fmt: skip
         if snap is not None:
             snaps.append((conv_cuts[-1], snap))

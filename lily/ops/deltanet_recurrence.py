@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lily.ops.launch import cdiv, launched, pow2, table_pointer
+from lily.ops.launch import cdiv, launched, pow2
 from lily.ops.norm_rope import gated_rmsnorm_rows
 
 
@@ -60,13 +60,6 @@ def _scan_kernel(
     tl.store(p_s, b_S, mask=m_s)
 
 
-@triton.jit
-def _table_shift(p_tab, BT: tl.constexpr):
-    """The cut of a table (0: none) and the shift that ends a chunk on it."""
-    cut = tl.load(p_tab + 5).to(tl.int32)
-    return cut, (BT - cut % BT) % BT
-
-
 # NOTE: T is never specialized in the chunked kernels. Triton makes an int argument equal to
 # 1 a constant; compiled so for sm_90 by Triton 3.6, these kernels (tensor-core products over
 # chunks padded past T) made illegal memory accesses on the H200 (a one-token piece: the
@@ -79,13 +72,11 @@ _NO_T = ["T"]
 @launched
 @triton.jit(do_not_specialize=[*_NO_T, "shift"])
 def _chunk_wy_kernel(
-    y, g, beta, w, u, T, shift, p_tab, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+    y, g, beta, w, u, T, shift, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     VD: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BVD: tl.constexpr, NSQ: tl.constexpr,
-    HAS_CUT: tl.constexpr, TAB: tl.constexpr,
+    HAS_CUT: tl.constexpr,
 ):  # fmt: skip
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    if TAB:  # the cut on the device (see recurrence): a grid one chunk longer than T needs
-        _, shift = _table_shift(p_tab, BT)
     C: tl.constexpr = 2 * HK * K + HV * VD
     i_kh = i_h // (HV // HK)
     o_i = tl.arange(0, BT)
@@ -166,21 +157,14 @@ def _chunk_wy_kernel(
 @launched
 @triton.jit(do_not_specialize=[*_NO_T, "shift", "cut_chunk"])
 def _chunk_scan_kernel(
-    y, g, w, u, state, snap, z, norm_w, o_buf, T, shift, cut_chunk, stride_z, eps, p_tab,
+    y, g, w, u, state, snap, z, norm_w, o_buf, T, shift, cut_chunk, stride_z, eps,
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, VD: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, FUSE_NORM: tl.constexpr, HAS_CUT: tl.constexpr,
-    TAB: tl.constexpr,
 ):  # fmt: skip
     """HAS_CUT: chunk i_c covers rows i_c*BT - shift ..., so chunk ``cut_chunk`` ends at the
     cut, and the state after it goes to ``snap`` (fp32, the layout of ``state``); the rows
-    before the first token are padding, as those after the last (see _chunk_wy_kernel).
-    TAB: the state's and the snapshot's addresses and the cut come from the table."""
+    before the first token are padding, as those after the last (see _chunk_wy_kernel)."""
     i_v, i_h = tl.program_id(0), tl.program_id(1)
-    if TAB:
-        state = table_pointer(p_tab, 1, state)
-        snap = table_pointer(p_tab, 3, snap)
-        cut, shift = _table_shift(p_tab, BT)
-        cut_chunk = tl.where(cut > 0, (cut + shift) // BT - 1, -1)
     C: tl.constexpr = 2 * HK * K + HV * VD
     i_kh = i_h // (HV // HK)
     o_i = tl.arange(0, BT)
@@ -326,20 +310,14 @@ def _chunk_out_kernel(
 
 
 def recurrence(y, g, beta, z, norm_weight, state, o_buf, w, u, eps, method, chunk_size, bv,
-                nv, fuse, num_warps, dims, cut=0, snap=None, table=None) -> None:  # fmt: skip
+                nv, fuse, num_warps, dims, cut=0, snap=None) -> None:  # fmt: skip
     """The state walk over T prepared tokens (one piece of a chunk), writing o_buf. With
     ``snap`` (an fp32 tensor shaped like ``state``; method "chunk" only), the state after the
-    first ``cut`` tokens (0 < cut < T) is stored there by the same launches. With ``table``
-    (method "chunk"; see deltanet_prefill) the state, the snapshot and the cut come from it."""
+    first ``cut`` tokens (0 < cut < T) is stored there by the same launches."""
     t, hv = g.shape
     bk, bvd, kd = dims["BK"], pow2(dims["VD"]), dims["K"]
-    tab = table is not None
-    if tab and method != "chunk":
-        raise ValueError(f"recurrence: a table needs method 'chunk', got {method!r}")
-    if tab:
-        snap = state  # a placeholder of the right type: the kernels read the table's
     has_cut = snap is not None
-    if has_cut and not tab and not (method == "chunk" and 0 < cut < t and snap.shape == state.shape
+    if has_cut and not (method == "chunk" and 0 < cut < t and snap.shape == state.shape
                         and snap.dtype == torch.float32 and snap.is_contiguous()):  # fmt: skip
         raise ValueError(
             f"recurrence: an in-kernel cut needs method 'chunk', 0 < cut < {t} and a "
@@ -356,21 +334,19 @@ def recurrence(y, g, beta, z, norm_weight, state, o_buf, w, u, eps, method, chun
     # its boundaries move). Splitting the walk there cost two more launches and a state copy
     # per layer, and the host, not the GPU, paced a reused turn. shift and cut_chunk are
     # runtime ints (not specialized): a new cut needs no compile.
-    # With a table the shift is known only on the device: the grid covers the largest.
-    shift = (-cut) % chunk_size if has_cut and not tab else 0
-    nt = cdiv(t + (chunk_size - 1 if tab else shift), chunk_size)
+    shift = (-cut) % chunk_size if has_cut else 0
+    nt = cdiv(t + shift, chunk_size)
     nsq = max(0, (chunk_size // 16).bit_length() - 2)  # squarings until M^(BT/16) = 0
-    p_tab = table if tab else g  # (ignored without TAB)
     _chunk_wy_kernel[(nt, hv)](
-        y, g, beta, w, u, t, shift, p_tab, BT=chunk_size, BVD=bvd, NSQ=nsq, HAS_CUT=has_cut,
-        TAB=tab, num_warps=4, **dims,
+        y, g, beta, w, u, t, shift, BT=chunk_size, BVD=bvd, NSQ=nsq, HAS_CUT=has_cut,
+        num_warps=4, **dims,
     )  # fmt: skip
     if method == "chunk":
         cut_chunk = (cut + shift) // chunk_size - 1 if has_cut else -1
         _chunk_scan_kernel[(nv, hv)](
             y, g, w, u, state, snap if has_cut else state, z, norm_weight, o_buf, t, shift,
-            cut_chunk, z.stride(0), eps, p_tab, BT=chunk_size, BV=bv, FUSE_NORM=fuse,
-            HAS_CUT=has_cut, TAB=tab, num_warps=num_warps or (8 if bv * bk >= 128 * 128 else 4),
+            cut_chunk, z.stride(0), eps, BT=chunk_size, BV=bv, FUSE_NORM=fuse, HAS_CUT=has_cut,
+            num_warps=num_warps or (8 if bv * bk >= 128 * 128 else 4),
             num_stages=2, **dims,  # 2 stages prefetch the next chunk; 3 only cost memory
         )  # fmt: skip
         return

@@ -1,16 +1,16 @@
 """Host-side helpers the kernels' launchers share: argument checks with clear errors,
-small integer helpers, programmatic-dependent-launch options; and ``table_pointer``, the
-device side of the address tables that graph-captured kernels read."""
+small integer helpers, and programmatic-dependent-launch options."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 
 import torch
 import triton
-import triton.language as tl
 
+from lily.ops.arch import current_arch
 from lily.quant import QuantWeight
 
 Tensor = torch.Tensor
@@ -97,17 +97,6 @@ def check_x(x: Tensor, k: int, name: str, device: torch.device) -> None:
         raise ValueError(f"{name}: x is on {x.device}, the weight on {device}")
 
 
-@triton.jit
-def table_pointer(p_tab, i, like):
-    """Entry ``i`` of an int64 address table (on the device) as a pointer to ``like``'s
-    element type: kernels captured once in a CUDA graph read the buffers a replay names.
-
-    NOTE: ``multiple_of``: an address loaded as an int carries no alignment, and without it
-    the tile loads through it compiled to 2-byte ones (sm_90 PTX); every table entry is a
-    tensor's start, which the allocator aligns to 16 bytes at least."""
-    return tl.multiple_of(tl.load(p_tab + i).to(tl.pointer_type(like.dtype.element_ty)), 16)
-
-
 def pdl_launch(pdl: bool) -> dict:
     """Launch options for programmatic dependent launch (nothing when off, so the kernels
     compiled without it keep their cache entries)."""
@@ -115,8 +104,9 @@ def pdl_launch(pdl: bool) -> dict:
 
 
 def use_pdl(pdl: bool, device: torch.device) -> bool:
-    """PDL only on a CUDA device of compute capability 9.0 or newer (a no-op elsewhere)."""
-    return pdl and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    """PDL only where the architecture in use has it (sm_90 and newer, unless a fallback is
+    forced; see lily.ops.arch), never on the CPU (a no-op elsewhere)."""
+    return pdl and device.type != "cpu" and current_arch(device).pdl
 
 
 # ---------------------------------------------------------------- fast repeat launches
@@ -143,8 +133,6 @@ def _spec(a) -> tuple:
         return ("f",)
     if a is None:
         return ("n",)
-    if type(a).__name__ == "TensorDescriptor":  # Triton keys it by dtype and box
-        return ("td", a.base.dtype, tuple(a.block_shape), a.padding)
     raise TypeError(type(a))
 
 
@@ -219,6 +207,9 @@ class Launched:
         return tuple(out)
 
     def launch(self, grid, args: tuple, kwargs: dict) -> None:
+        if _recording is not None:  # the compile matrix: note the launch, run nothing
+            _recording.append((self, grid, args, kwargs))
+            return
         if not self.fast or _hooked():
             self.fn[grid](*args, **kwargs)
             return
@@ -245,3 +236,21 @@ class Launched:
 def launched(fn) -> Launched:
     """Decorator over ``@triton.jit`` for kernels launched from the host (see Launched)."""
     return Launched(fn)
+
+
+# (kernel, grid, args, kwargs) of each launch while ``record_launches`` is active
+_recording: list | None = None
+
+
+@contextlib.contextmanager
+def record_launches():
+    """Inside, every ``Launched`` kernel records its launch instead of running; yields the
+    list of ``(Launched, grid, args, kwargs)``. The compile matrix (lily/ops/matrix.py)
+    calls the public ops on meta tensors under it, so it sees exactly the arguments, dtypes
+    and constexprs the launchers pass."""
+    global _recording
+    outer, _recording = _recording, []
+    try:
+        yield _recording
+    finally:
+        _recording = outer

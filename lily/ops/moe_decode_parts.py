@@ -1,7 +1,6 @@
 """Triton pieces the MoE decode kernels share, in their FMA and tensor-core forms (and the
-prefill's routing and grouped GEMMs): the top-k of the router logits and a gate/up program's
-routing, the down launch's early loads and epilogue (the gated shared expert and the
-residual), and a prefill tile's rows from the block map and a gate/up tile's K step."""
+prefill's routing): the top-k of the router logits and a gate/up program's routing, and the
+down launch's early loads and epilogue (the gated shared expert and the residual)."""
 
 from __future__ import annotations
 
@@ -9,9 +8,8 @@ import triton
 import triton.language as tl
 
 from lily.ops.norm_rope import sigmoid
-from lily.ops.qgemm import mma
 from lily.ops.qgemv import gemv_tile, load_words, load_x
-from lily.ops.rmsnorm import cast_to, to_bf16
+from lily.ops.rmsnorm import cast_to
 
 
 @triton.jit
@@ -97,27 +95,3 @@ def down_finish(
     if HAS_RES:
         acc += b_res
     tl.store(p_out + o_n, cast_to(acc, p_out.dtype.element_ty, ON_CPU), mask=m_n)
-
-
-@triton.jit
-def tile_rows(p_tile_e, p_tile_row, p_tile_n, p_pairs, b, BLOCK_M: tl.constexpr):
-    """(expert, first row, rows mask, pairs) of tile b of moe_prefill's block map."""
-    e = tl.load(p_tile_e + b)
-    row0 = tl.load(p_tile_row + b)
-    o_m = tl.arange(0, BLOCK_M)
-    m_m = o_m < tl.load(p_tile_n + b)
-    pairs = tl.load(p_pairs + row0 + o_m, mask=m_m, other=0)
-    return e, row0, m_m, pairs
-
-
-@triton.jit
-def gate_up_step(p_x, tok, m_m, stride_xt, k0, D, b_g, b_u, acc_g, acc_u,
-                 ON_CPU: tl.constexpr):  # fmt: skip
-    """One K step of a prefill gate/up tile: the tokens' inputs k0.. gathered (K, BLOCK_M),
-    times the dequantized gate and up tiles (BLOCK_N, K) into their accumulators."""
-    o_k = k0 + tl.arange(0, b_g.shape[1])
-    p_xt = p_x + tok[None, :] * stride_xt + o_k[:, None]
-    b_xt = to_bf16(tl.load(p_xt, mask=m_m[None, :] & (o_k < D)[:, None], other=0.0), ON_CPU)
-    acc_g = mma(to_bf16(b_g, ON_CPU), b_xt, acc_g, ON_CPU)
-    acc_u = mma(to_bf16(b_u, ON_CPU), b_xt, acc_u, ON_CPU)
-    return acc_g, acc_u

@@ -31,10 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.ops.arch import DEFAULT, Arch, current_arch
 from lily.ops.launch import cdiv, check_weight, check_x, launched, mask_lo, pow2
 from lily.ops.moe_decode import check_moe_weights, check_shared
-from lily.ops.moe_decode_parts import gate_up_step, tile_rows, topk_rows
-from lily.ops.moe_gemm_sm90 import down_sm90, gate_up_sm90, sm90_applies
+from lily.ops.moe_decode_parts import topk_rows
 from lily.ops.qgemm import (
     GemmConfig,
     block_m_for,
@@ -134,6 +134,17 @@ def _moe_plan_kernel(
         tl.store(p_pairs + T * TOP_K + o_r, o_r * (TOP_K + 1) + TOP_K, mask=m_s)
 
 
+@triton.jit
+def _tile_rows(p_tile_e, p_tile_row, p_tile_n, p_pairs, b, BLOCK_M: tl.constexpr):
+    """(expert, first row, rows mask, pairs) of tile b of the block map."""
+    e = tl.load(p_tile_e + b)
+    row0 = tl.load(p_tile_row + b)
+    o_m = tl.arange(0, BLOCK_M)
+    m_m = o_m < tl.load(p_tile_n + b)
+    pairs = tl.load(p_pairs + row0 + o_m, mask=m_m, other=0)
+    return e, row0, m_m, pairs
+
+
 @launched
 @triton.jit
 def _moe_gate_up_kernel(
@@ -148,7 +159,7 @@ def _moe_gate_up_kernel(
     pid = tl.program_id(0)
     b = pid // N_BLOCKS
     i_n = pid % N_BLOCKS
-    e, row0, m_m, pairs = tile_rows(p_tile_e, p_tile_row, p_tile_n, p_pairs, b, BLOCK_M)
+    e, row0, m_m, pairs = _tile_rows(p_tile_e, p_tile_row, p_tile_n, p_pairs, b, BLOCK_M)
     is_shared = e == E
     n_rows = tl.where(is_shared, I_S, I_E)
     if (e >= 0) & (i_n * BLOCK_N < n_rows):
@@ -169,6 +180,7 @@ def _moe_gate_up_kernel(
         BG: tl.constexpr = BLOCK_K // GROUP
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_n = o_n < n_rows
+        o_k = tl.arange(0, BLOCK_K)
         tok = (pairs // (TOP_K + 1)).to(tl.int64)
         acc_g = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
@@ -178,8 +190,12 @@ def _moe_gate_up_kernel(
                                BITS, GROUP, BG)  # fmt: skip
             b_u = load_dequant(uw, us, ub, sqn, ssn, o_n, m_n, g0, D // GROUP, mask_lo,
                                BITS, GROUP, BG)  # fmt: skip
-            acc_g, acc_u = gate_up_step(p_x, tok, m_m, stride_xt, i_k * BLOCK_K, D, b_g, b_u,
-                                        acc_g, acc_u, ON_CPU)  # fmt: skip
+            k0 = i_k * BLOCK_K
+            p_xt = p_x + tok[None, :] * stride_xt + (k0 + o_k)[:, None]
+            b_xt = tl.load(p_xt, mask=m_m[None, :] & ((k0 + o_k) < D)[:, None], other=0.0)
+            b_xt = to_bf16(b_xt, ON_CPU)
+            acc_g = mma(to_bf16(b_g, ON_CPU), b_xt, acc_g, ON_CPU)
+            acc_u = mma(to_bf16(b_u, ON_CPU), b_xt, acc_u, ON_CPU)
         b_h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         p_hb = p_h + (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)[None, :] * stride_h + o_n[:, None]
         b_h = cast_to(b_h, p_h.dtype.element_ty, ON_CPU)
@@ -200,7 +216,7 @@ def _moe_down_kernel(
     pid = tl.program_id(0)
     b = pid // N_BLOCKS
     i_n = pid % N_BLOCKS
-    e, row0, m_m, pairs = tile_rows(p_tile_e, p_tile_row, p_tile_n, p_pairs, b, BLOCK_M)
+    e, row0, m_m, pairs = _tile_rows(p_tile_e, p_tile_row, p_tile_n, p_pairs, b, BLOCK_M)
     if e >= 0:
         is_shared = e == E
         if is_shared:
@@ -276,7 +292,9 @@ class MoePrefillConfig:
 
 
 @functools.lru_cache(maxsize=1024)  # tiles are pure functions of the shape
-def moe_prefill_config(t: int, top_k: int, n_experts: int) -> MoePrefillConfig:
+def moe_prefill_config(
+    t: int, top_k: int, n_experts: int, arch: Arch = DEFAULT
+) -> MoePrefillConfig:
     """Tiles from the mean rows per expert, measured on the H200 at the real shapes
     (lily/bench/gpu/kernels/tile_sweep.py, bench/results/tile_sweep_h200_run1.json): the
     gate/up tile of 64 x 64 (4 warps, 4 stages) at 52 rows per expert took 561 us a layer
@@ -290,28 +308,16 @@ def moe_prefill_config(t: int, top_k: int, n_experts: int) -> MoePrefillConfig:
         return MoePrefillConfig(bm, GemmConfig(bm, 64, 128, 4, 4), GemmConfig(bm, 64, 128, 4, 4))
     if bm == 64:
         return MoePrefillConfig(bm, GemmConfig(bm, 64, 64, 4, 4), GemmConfig(bm, 128, 64, 8, 3))
+    if not arch.wgmma:
+        # Without warpgroup MMA the gate/up tile's two 128 x 128 fp32 accumulators spill
+        # (about 2 KB a thread, sm_80 to sm_120) and it takes 128 KiB of shared memory: half
+        # the rows and half the K step fit in 48 KiB with no spills (compile matrix).
+        return MoePrefillConfig(bm, GemmConfig(bm, 64, 64, 8, 3), GemmConfig(bm, 128, 64, 8, 3))
     return MoePrefillConfig(bm, GemmConfig(bm, 128, 128, 8, 3), GemmConfig(bm, 128, 64, 8, 3))
 
 
-# "auto" takes the sm_90 kernels (lily/ops/moe_gemm_sm90.py) on an sm_90 GPU.
-SM90_GEMMS = True
-
-
-def _sm90(gemm: str, x: Tensor, weights: tuple, cfg: MoePrefillConfig, atomic: bool) -> bool:
-    """Whether launches 4 and 5 take the sm_90 kernels (see moe_prefill's ``gemm``)."""
-    if gemm not in ("auto", "portable", "sm90"):
-        raise ValueError(f"moe_prefill: gemm must be 'auto', 'portable' or 'sm90', got {gemm!r}")
-    if gemm == "portable" or (gemm == "auto" and not (SM90_GEMMS and x.is_cuda)):
-        return False
-    ok = not atomic and sm90_applies(x, weights, cfg.gate_up, cfg.down)
-    if gemm == "sm90" and not ok:
-        raise ValueError("moe_prefill: the sm90 GEMMs need an sm_90 GPU (or the interpreter), "
-                         "TMA-aligned packed experts, and no atomic down")  # fmt: skip
-    return ok
-
-
 @functools.lru_cache(maxsize=1024)  # tiles are pure functions of the shape
-def router_gemm_config(t: int, group_size: int) -> GemmConfig:
+def router_gemm_config(t: int, group_size: int, arch: Arch = DEFAULT) -> GemmConfig:
     """Tile of the router GEMM (E = 256 rows): 64 rows and at most 64 tokens a program, so
     short prompts still spread over 32-64 programs (the dense table's 128 x 128 tile gave 4
     programs at T = 256, each dequantizing half the router twice on one SM)."""
@@ -342,7 +348,6 @@ def moe_prefill(
     config: MoePrefillConfig | None = None,
     norm_weight: Tensor | None = None,
     eps: float = 1e-6,
-    gemm: str = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
     """``residual + moe(x)`` for x (T, D) -> (T, D) in x's dtype, no host sync inside.
 
@@ -351,9 +356,7 @@ def moe_prefill(
     traffic, but the order of the fp32 adds (and so the last bits) varies run to run.
     With ``norm_weight`` (D,) returns ``(out, rmsnorm(out, norm_weight, eps))``: the next
     layer's input norm rides in the last launch (one launch a layer less; each cost the
-    host of a reused turn 40-90 us). ``gemm``: the grouped GEMMs' kernels: "portable" (any
-    GPU), "sm90" (weights by TMA, lily/ops/moe_gemm_sm90.py; an error where it cannot run)
-    or "auto" (sm90 on an sm_90 GPU where it can, when SM90_GEMMS is set).
+    host of a reused turn 40-90 us).
     """
     name = "moe_prefill"
     e, i, d = check_moe_weights(gate, up, down, name)
@@ -376,7 +379,8 @@ def moe_prefill(
         return out if norm_weight is None else (out, torch.empty_like(x))
     x = x.contiguous()
     residual = residual.contiguous() if residual is not None else None
-    cfg = config or moe_prefill_config(t, top_k, e)
+    arch = current_arch(x.device)
+    cfg = config or moe_prefill_config(t, top_k, e, arch)
     bm = cfg.block_m
     for c in (cfg.gate_up, cfg.down):
         if c.block_k % gate.group_size:
@@ -384,13 +388,12 @@ def moe_prefill(
     dev = x.device
     on_cpu = dev.type == "cpu"
     has_shared = i_s > 0
-    sm90 = _sm90(gemm, x, (gate, up, down, shared_gate, shared_up, shared_down), cfg, atomic)
     seg = shared_expert_gate if has_shared else router
     ks = top_k + 1  # pair stride: slot k is the shared expert
 
     # 1-2. router logits, top-k, weights, ranks inside each expert.
     logits = torch.empty((t, e), dtype=torch.float32, device=dev)
-    launch_qgemm(x, router, logits, router_gemm_config(t, router.group_size), split_w=True)
+    launch_qgemm(x, router, logits, router_gemm_config(t, router.group_size, arch), split_w=True)
     ids = torch.empty((t, top_k), dtype=torch.int32, device=dev)
     rank = torch.empty((t, top_k), dtype=torch.int32, device=dev)
     wts = torch.empty((t, ks), dtype=torch.float32, device=dev)
@@ -425,23 +428,18 @@ def moe_prefill(
     sg, su, sd = (shared_gate, shared_up, shared_down) if has_shared else (gate[0], up[0], down[0])
     gu = cfg.gate_up
     nb = cdiv(i_max, gu.block_n)
-    plan = (pairs, tile_e, tile_row, tile_n)
-    if sm90:
-        shared = (shared_gate, shared_up) if has_shared else (None, None)
-        gate_up_sm90(x, plan, h, gate, up, *shared, e, top_k, gu, bm)
-    else:
-        _moe_gate_up_kernel[(max_tiles * nb,)](
-            x, pairs, tile_e, tile_row, tile_n, h,
-            gate.qweight, gate.scales, gate.biases, up.qweight, up.scales, up.biases,
-            gate.qweight.stride(0), gate.scales.stride(0), gate.qweight.stride(1),
-            gate.scales.stride(1),
-            sg.qweight, sg.scales, sg.biases, su.qweight, su.scales, su.biases,
-            sg.qweight.stride(0), sg.scales.stride(0),
-            e, i, i_s, d, x.stride(0), h.stride(0), mask_lo(gate.bits),
-            TOP_K=top_k, BITS=gate.bits, GROUP=gate.group_size, BLOCK_M=bm, BLOCK_N=gu.block_n,
-            BLOCK_K=gu.block_k, K_STEPS=cdiv(d, gu.block_k), N_BLOCKS=nb, ON_CPU=on_cpu,
-            num_warps=gu.num_warps, num_stages=gu.num_stages,
-        )  # fmt: skip
+    _moe_gate_up_kernel[(max_tiles * nb,)](
+        x, pairs, tile_e, tile_row, tile_n, h,
+        gate.qweight, gate.scales, gate.biases, up.qweight, up.scales, up.biases,
+        gate.qweight.stride(0), gate.scales.stride(0), gate.qweight.stride(1),
+        gate.scales.stride(1),
+        sg.qweight, sg.scales, sg.biases, su.qweight, su.scales, su.biases,
+        sg.qweight.stride(0), sg.scales.stride(0),
+        e, i, i_s, d, x.stride(0), h.stride(0), mask_lo(gate.bits),
+        TOP_K=top_k, BITS=gate.bits, GROUP=gate.group_size, BLOCK_M=bm, BLOCK_N=gu.block_n,
+        BLOCK_K=gu.block_k, K_STEPS=cdiv(d, gu.block_k), N_BLOCKS=nb, ON_CPU=on_cpu,
+        num_warps=gu.num_warps, num_stages=gu.num_stages,
+    )  # fmt: skip
 
     # 5. down grouped GEMM, routing weight in the epilogue.
     dn = cfg.down
@@ -451,20 +449,16 @@ def moe_prefill(
         y = y.contiguous()
     else:
         y = torch.empty((t * ks, d), dtype=torch.bfloat16, device=dev)
-    if sm90:
-        down_sm90(h, plan, wts, y, down, shared_down if has_shared else None, e, t, top_k, dn,
-                  bm)  # fmt: skip
-    else:
-        _moe_down_kernel[(max_tiles * nb,)](
-            h, pairs, tile_e, tile_row, tile_n, wts, y,
-            down.qweight, down.scales, down.biases, down.qweight.stride(0), down.scales.stride(0),
-            down.qweight.stride(1), down.scales.stride(1),
-            sd.qweight, sd.scales, sd.biases, sd.qweight.stride(0), sd.scales.stride(0),
-            e, d, i, i_s, h.stride(0), y.stride(0), mask_lo(down.bits),
-            TOP_K=top_k, BITS=down.bits, GROUP=down.group_size, BLOCK_M=bm, BLOCK_N=dn.block_n,
-            BLOCK_K=dn.block_k, K_STEPS=cdiv(i_max, dn.block_k), N_BLOCKS=nb,
-            ATOMIC=atomic, ON_CPU=on_cpu, num_warps=dn.num_warps, num_stages=dn.num_stages,
-        )  # fmt: skip
+    _moe_down_kernel[(max_tiles * nb,)](
+        h, pairs, tile_e, tile_row, tile_n, wts, y,
+        down.qweight, down.scales, down.biases, down.qweight.stride(0), down.scales.stride(0),
+        down.qweight.stride(1), down.scales.stride(1),
+        sd.qweight, sd.scales, sd.biases, sd.qweight.stride(0), sd.scales.stride(0),
+        e, d, i, i_s, h.stride(0), y.stride(0), mask_lo(down.bits),
+        TOP_K=top_k, BITS=down.bits, GROUP=down.group_size, BLOCK_M=bm, BLOCK_N=dn.block_n,
+        BLOCK_K=dn.block_k, K_STEPS=cdiv(i_max, dn.block_k), N_BLOCKS=nb,
+        ATOMIC=atomic, ON_CPU=on_cpu, num_warps=dn.num_warps, num_stages=dn.num_stages,
+    )  # fmt: skip
 
     # 6. residual + sum over slots (or the fp32 buffer's rounding, with atomics).
     out = torch.empty((t, d), dtype=x.dtype, device=dev)

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lily.ops.arch import DEFAULT, Arch, current_arch
 from lily.ops.launch import cdiv, check_weight, check_x, launched, mask_lo
 from lily.ops.qgemv import as_f as _as_f
 from lily.ops.rmsnorm import cast_to, to_bf16
@@ -178,8 +179,11 @@ def block_m_for(rows: float) -> int:
 
 
 @functools.lru_cache(maxsize=1024)  # tiles are pure functions of the shape
-def gemm_config(t: int, n: int, k: int, group_size: int) -> GemmConfig:
-    """Tile for a shape (stand-in for a measured table; see docs/notes/linear_kernels.md)."""
+def gemm_config(
+    t: int, n: int, k: int, group_size: int, arch: Arch = DEFAULT, x_bytes: int = 2
+) -> GemmConfig:
+    """Tile for a shape (stand-in for a measured table; see docs/notes/linear_kernels.md),
+    the architecture and the size of x's elements (the compile matrix checks each fits)."""
     bm = block_m_for(t)
     bk = max(64, group_size)
     if bm >= 128:
@@ -199,7 +203,9 @@ def gemm_config(t: int, n: int, k: int, group_size: int) -> GemmConfig:
             # the multi-turn runs' random non-finite logits.
             return GemmConfig(128, 128, bk, num_warps=8, num_stages=2)
         if cdiv(t, 128) * cdiv(n, 64) >= 132:
-            return GemmConfig(128, 64, bk, num_warps=4, num_stages=4)
+            # fp32 x (``--dtype float32``) on 99 KiB GPUs: 110 KiB on four stages, three fit
+            deep = x_bytes <= 2 or arch.big_smem
+            return GemmConfig(128, 64, bk, num_warps=4, num_stages=4 if deep else 3)
         return GemmConfig(64, 64, bk, num_warps=4, num_stages=3)
     if bm == 64:
         return GemmConfig(64, 128, bk, num_warps=8, num_stages=3)
@@ -245,6 +251,7 @@ def qgemm(
     out = torch.empty((x.shape[0], n), dtype=out_dtype or torch.bfloat16, device=x.device)
     if x.shape[0] == 0:
         return out
-    cfg = config or gemm_config(x.shape[0], n, k, w.group_size)
+    cfg = config or gemm_config(x.shape[0], n, k, w.group_size, current_arch(x.device),
+                                x.element_size())  # fmt: skip
     launch_qgemm(x, w, out, cfg, precise)
     return out

@@ -8,6 +8,8 @@ import platform
 
 import torch
 
+from lily.ops.arch import current_arch, forced_arch
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -31,29 +33,33 @@ def device_info(device: str) -> dict:
 
 def fast_paths(runner, device: str) -> dict[str, bool]:
     """The kernel path's optional techniques and whether each is on (empty on the
-    reference path)."""
+    reference path), as the architecture whose tables the kernels use has them
+    (lily/ops/arch.py: the device's own, or the one ``--gpu-arch`` forces)."""
     step = runner.model.step_ops
     if step is None:
         return {}
-    from lily.ops import moe_prefill  # the kernel path: Triton is there
-
-    dev = torch.device(device)
-    cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else (0, 0)
-    hopper = cap[0] >= 9
+    arch = current_arch(torch.device(device))
     return {
         # PDL is a no-op before sm_90 (lily.ops.launch.use_pdl)
-        "PDL": step.pdl and hopper,
+        "PDL": step.pdl and arch.pdl,
         "tensor-core GEMV": step.mma,
+        # Triton's MMAv3 for the prefill's tl.dot (sm_90 only)
+        "warpgroup MMA": arch.wgmma,
         "CUDA graphs": bool(getattr(runner, "use_graphs", False)),
-        "prefill graphs (chunks up to 1,024 tokens)": getattr(runner, "prefill_graphs", None)
-        is not None,
         "device sampling": getattr(runner, "device_decode", None) is not None,
         # attention decode splits the keys from 256 positions on; prefill after long history
         "split-KV attention": True,
         "fused-dequant GEMM prefill": True,
-        # lily/ops/moe_gemm_sm90.py: "auto" takes them on sm_90 exactly
-        "MoE prefill GEMMs with TMA weights (sm_90)": moe_prefill.SM90_GEMMS and cap == (9, 0),
     }
+
+
+def kernel_tables(engine) -> str | None:
+    """Whose tile tables the kernels use: the architecture, and whether ``--gpu-arch``
+    forced it (None on the reference path)."""
+    if not engine.model.kernels:
+        return None
+    arch = current_arch(torch.device(str(engine.engine_cfg.device)))
+    return arch.name + (" (forced by --gpu-arch)" if forced_arch() is not None else "")
 
 
 def architecture_report(engine) -> dict:
@@ -72,6 +78,7 @@ def architecture_report(engine) -> dict:
         "kv_bytes_per_token": plan.kv_per_token,
         "free_beyond_weights": plan.free,
         "fast_paths": fast_paths(engine.runner, dev),
+        "kernel_tables": kernel_tables(engine),
     }
 
 
@@ -96,6 +103,8 @@ def format_report(rep: dict) -> list[str]:
                      + ("; off: " + ", ".join(off) if off else ""))  # fmt: skip
     else:
         lines.append("fast paths: none (the reference path)")
+    if rep.get("kernel_tables"):
+        lines.append(f"kernel tables: {rep['kernel_tables']}")
     how = ("the largest the free memory allows; --max-context sets it" if rep["context_auto"]
            else "--max-context")  # fmt: skip
     lines.append(f"context: {rep['max_context']:,} tokens ({how})")

@@ -16,6 +16,7 @@ import torch
 
 from lily.config import EngineConfig, ModelConfig
 from lily.model.model import Model
+from lily.ops.arch import force_arch
 from lily.runtime.batch import Batch
 from lily.runtime.generate import LogitsProcessor, StepOutput, Usage
 from lily.runtime.memory_plan import engine_plan
@@ -54,6 +55,10 @@ class Engine:
         self.dtype = DTYPES[engine_cfg.dtype]
         if engine_cfg.use_kernels and not str(engine_cfg.device).startswith("cuda"):
             raise ValueError("the kernel path (use_kernels) needs a CUDA device")
+        if engine_cfg.gpu_arch is not None:
+            # another GPU's kernel tables and switches, before any kernel compiles (a
+            # process-wide choice, like the device; see lily/ops/arch.py)
+            force_arch(engine_cfg.gpu_arch)
         self.model = Model(cfg, params, self.dtype, kernels=engine_cfg.use_kernels)
         self.generation_defaults: dict = dict(tokenizer.generation_config or {})
         self.runner = Runner(self.model, engine_cfg.prefill_chunk)

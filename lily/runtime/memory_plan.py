@@ -13,9 +13,7 @@ asks it what one request needs. The parts, for the full model at 128K (docs/note
   state and the copy a graph capture or snapshot takes);
 - scratch: one prefill chunk's temporaries at the largest layer, and the last logits and
   the sampler's vocabulary-sized buffers;
-- graphs: the CUDA graphs' one memory pool (kernel path): the decode steps' temporaries or
-  a short prefill chunk's (lily/runtime/prefill_graph.py), whichever is larger (captures
-  reuse the blocks earlier ones freed), and the prefill graphs' one logits buffer;
+- graphs: the CUDA-graph decode steps' memory pool (kernel path);
 - prefix cache: its device budget (``--prefix-cache-gb``), all of which it may fill;
 - margin: the allocator's rounding, cuBLAS workspaces, grammar masks.
 
@@ -31,7 +29,6 @@ import torch
 
 from lily.config import ModelConfig
 from lily.quant import QuantWeight
-from lily.runtime.prefill_graph import MAX_TOKENS as GRAPH_TOKENS
 from lily.runtime.state import INITIAL_CAPACITY, KV_STEP, kv_capacity
 
 MiB = 1 << 20
@@ -39,7 +36,6 @@ GiB = 1 << 30
 MARGIN = 256 * MiB  # allocator rounding, cuBLAS workspaces, grammar and sampler buffers
 GRAPH_POOL = 64 * MiB  # the decode graphs' shared pool: one step's temporaries, each graph's logits
 PART_BYTES = 128 * MiB  # attention prefill's split partials cap (lily/ops/attention_prefill.py)
-TABLE_PART_BYTES = 32 * MiB  # the same inside a captured prefill graph
 SCORE_ELEMS = 1 << 26  # the reference attention's score block (lily/model/attention.py)
 SNAPSHOTS = 8  # turn-start snapshots one request is assumed to save (the server's guard)
 
@@ -58,11 +54,10 @@ def state_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def scratch_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk: int, kernels: bool,
-                  context: int, part_bytes: int = PART_BYTES) -> int:  # fmt: skip
+                  context: int) -> int:  # fmt: skip
     """Temporaries of one prefill chunk of ``chunk`` tokens at its largest layer, plus the
     last logits and the sampler's buffers. ``context`` matters to the reference path only
-    (its attention materializes a score block up to SCORE_ELEMS); ``part_bytes``: the cap
-    on attention's split partials."""
+    (its attention materializes a score block up to SCORE_ELEMS)."""
     t, es, d, v = chunk, _size(dtype), cfg.hidden_size, cfg.vocab_size
     tail = 2 * v * 4 + 4 * v * 8  # fp32 logits (and a copy), the sampler's int64/fp64 lanes
     if not kernels:
@@ -96,15 +91,8 @@ def scratch_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk: int, kernels: boo
         + 2 * d * es  # output and the next layer's normed input
     )
     residual = 2 * d * es  # the residual stream and its norm, live through every layer
-    layer = max(deltanet, moe, attention + part_bytes // t)
+    layer = max(deltanet, moe, attention + PART_BYTES // t)
     return t * (residual + layer) + tail
-
-
-def graph_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """The graphs' pool: the larger of a decode step's and the longest graph chunk's
-    temporaries; and the prefill graphs' logits buffer."""
-    prefill = scratch_bytes(cfg, dtype, GRAPH_TOKENS, True, 0, TABLE_PART_BYTES)
-    return max(GRAPH_POOL, prefill) + cfg.vocab_size * 4
 
 
 @dataclass(frozen=True)
@@ -171,7 +159,7 @@ def plan(cfg: ModelConfig, dtype: torch.dtype, *, weights: int, max_context: int
         kv_growth=one_buffer * max_context,
         states=2 * state_bytes(cfg, dtype),
         scratch=scratch_bytes(cfg, dtype, chunk, kernels, max_context),
-        graphs=graph_bytes(cfg, dtype) if kernels and graphs else 0,
+        graphs=GRAPH_POOL if kernels and graphs else 0,
         prefix_cache=prefix_cache_bytes,
         margin=MARGIN,
         chunk=chunk,

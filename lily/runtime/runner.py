@@ -6,9 +6,7 @@ decides which kernels run; the runner only chooses between a prefill chunk and a
 step. On a CUDA device with the kernels, a decode step is one replay of a graph captured per
 context bucket (powers of two, so attention's grid fits the context and long contexts take
 the split-KV kernel); with device sampling the graph also draws the next token into its own
-input buffer, so a step needs nothing from the host but its position. A prefill chunk of up
-to 1,024 tokens is a replay too, of a graph that serves any state
-(lily/runtime/prefill_graph.py); longer chunks run eagerly.
+input buffer, so a step needs nothing from the host but its position.
 """
 
 from __future__ import annotations
@@ -21,8 +19,6 @@ import torch
 from lily.model.model import Model, Rows
 from lily.model.ops import MAX_ROWS
 from lily.runtime.device_decode import DeviceDecode
-from lily.runtime.prefill_graph import MAX_TOKENS as GRAPH_TOKENS
-from lily.runtime.prefill_graph import PrefillGraphs
 from lily.runtime.rows import RowBuffers, RowsSent, graph_key
 from lily.runtime.rows_sampling import RowsSampler
 from lily.runtime.sampling import SamplingParams
@@ -56,18 +52,14 @@ def no_gc():
 class Runner:
     """Chunked prefill and decode of one session state at a time over ``model``.
 
-    ``chunk``: prefill tokens per forward. ``use_graphs``: replay decode steps and short
-    prefill chunks from CUDA graphs (where the model is ``capturable``: the kernels on a
-    CUDA device). ``prefill_graphs`` (default: ``use_graphs``): chunks of up to 1,024 tokens
-    take the graphs' path (padded, the state named by addresses); where graphs cannot be
-    captured (the kernels on the CPU) that path runs eagerly (tests).
+    ``chunk``: prefill tokens per forward. ``use_graphs``: replay decode steps from CUDA
+    graphs (where the model is ``capturable``: the kernels on a CUDA device).
     ``sample_on_device`` (default: with the kernels): the next token is drawn on the device
     (``decode_sampled``).
     """
 
     def __init__(self, model: Model, chunk: int, use_graphs: bool = True,
-                 sample_on_device: bool | None = None,
-                 prefill_graphs: bool | None = None):  # fmt: skip
+                 sample_on_device: bool | None = None):  # fmt: skip
         self.model = model
         self.chunk = max(1, chunk)
         self.dev = model.device
@@ -77,10 +69,6 @@ class Runner:
         # size of a step's temporaries). Safe because steps replay one at a time on one
         # stream and a step's output is read (decode clones it) before another step replays.
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        if prefill_graphs is None:
-            prefill_graphs = self.use_graphs
-        self.prefill_graphs = (PrefillGraphs(model, self.graph_pool, capture=self.use_graphs)
-                               if prefill_graphs and model.kernels else None)  # fmt: skip
         self.row_buffers: dict[int, RowBuffers] = {}  # a batched step's inputs, per size
         self.tok = torch.zeros(1, dtype=torch.long, device=self.dev)
         self.pos = torch.zeros(1, dtype=torch.int32, device=self.dev)
@@ -107,41 +95,18 @@ class Runner:
         with torch.inference_mode(), no_gc():
             for i in range(0, len(ids), self.chunk):
                 part = ids[i : i + self.chunk]
-                start = state.length
-                end = start + len(part)
+                start, end = self._begin(state, len(part))
                 cuts = tuple(p - start for p in points if start < p < end)
-                if self.prefill_graphs is not None and len(part) <= GRAPH_TOKENS:
-                    logits = self._graph_chunk(part, state, cuts, snaps)
-                else:
-                    self._begin(state, len(part))
-                    t = to_device(part, torch.long, self.dev)
-                    logits, got = self.model.forward(t, state, start, end, cuts=cuts)
-                    for c, layers in got.items():
-                        snaps[start + c] = {i: DeltaNetState(*s) for i, s in layers.items()}
-                    self._end(state, part)
+                t = to_device(part, torch.long, self.dev)
+                logits, got = self.model.forward(t, state, start, end, cuts=cuts)
+                for c, layers in got.items():
+                    snaps[start + c] = {i: DeltaNetState(*s) for i, s in layers.items()}
+                self._end(state, part)
                 if end in points:  # a point on a chunk boundary
                     snaps[end] = state.snapshot_recurrent()
         if logits is None:
             raise ValueError("prefill needs at least one token")
         return logits, snaps
-
-    def _graph_chunk(self, part: list[int], state, cuts: tuple[int, ...],
-                     snaps: dict) -> torch.Tensor:  # fmt: skip
-        """A chunk on the prefill graphs: in pieces split at every cut but the last, which the
-        DeltaNet kernels take inside the last piece; the snapshots go into ``snaps``."""
-        bounds = [0, *cuts[:-1], len(part)]
-        last = cuts[-1] if cuts else 0
-        for lo, hi in zip(bounds, bounds[1:], strict=False):
-            piece = part[lo:hi]
-            start, end = self._begin(state, len(piece))
-            cut = last - lo if lo < last < hi else 0
-            logits, snap = self.prefill_graphs.run(piece, state, start, cut)
-            if snap is not None:
-                snaps[start + cut] = snap
-            self._end(state, piece)
-            if hi < len(part):  # an earlier cut: this piece's end
-                snaps[end] = state.snapshot_recurrent()
-        return logits
 
     def score(self, ids: list[int], state) -> torch.Tensor:
         """Teacher-forced fp32 logits (T, V) on the CPU for every position of ``ids``,

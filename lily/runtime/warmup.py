@@ -9,11 +9,9 @@ paid for its compiles: 20.9 s for the first 4K prompt on a fresh H200, 0.25 s on
 start of the server (issue 19). Warm-up runs throwaway work that covers those classes:
 
 - prefills of a representative length from every class of chunk lengths (the tile tables'
-  intervals, each with its ints in both divisibility classes) and of every prefill graph's
-  bucket (lily/runtime/prefill_graph.py: chunks up to 1,024 tokens are graph replays, the
-  first of each bucket and context bucket captures), from position 0 with snapshot cuts,
-  after a chunk of history at an aligned and at an odd position (attention splits its keys
-  there), and short ones after a long history (up to 16 splits);
+  intervals, each with its ints in both divisibility classes), from position 0 with
+  snapshot cuts, after a chunk of history at an aligned and at an odd position (attention
+  splits its keys there), and short ones after a long history (up to 16 splits);
 - one-token chunks at positions that cover attention decode's block counts;
 - decode steps on the working state at its context buckets (this captures their CUDA
   graphs), unsampled and with the device sampler for greedy and the model's defaults.
@@ -33,8 +31,8 @@ from dataclasses import dataclass, fields
 import torch
 
 from lily.config import ModelConfig
+from lily.ops.arch import DEFAULT, Arch, current_arch
 from lily.ops.qgemv import MAX_ROWS as GEMV_ROWS  # chunks this short take the GEMV
-from lily.runtime.prefill_graph import BUCKETS
 from lily.runtime.sampling import SamplingParams
 from lily.runtime.state import SessionState
 
@@ -75,25 +73,34 @@ def gemm_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
     ]
 
 
-def chunk_lengths(cfg: ModelConfig, chunk: int) -> list[int]:
-    """Representative chunk lengths in 2..chunk: every GEMV row count, and from each run of
-    lengths that the tile tables treat alike, one length for each divisibility class of
-    its ints (the length, the MoE's block-map size, T x H) and the run's longest."""
-    from lily.ops.launch import cdiv
+def table_choices(cfg: ModelConfig, t: int, arch: Arch = DEFAULT, x_bytes: int = 2) -> tuple:
+    """What the prefill's tile tables pick for a chunk of ``t`` tokens on ``arch`` (x's
+    elements of ``x_bytes``): each dense GEMM's tile, the MoE's tiles and the router's.
+    Unwrapped from the tables' caches, so a scan over lengths evicts none of the engine's."""
     from lily.ops.moe_prefill import moe_prefill_config, router_gemm_config
     from lily.ops.qgemm import gemm_config
 
     gs = cfg.quantization.group_size if cfg.quantization else 64
+    gemms = tuple(gemm_config.__wrapped__(t, n, kk, gs, arch, x_bytes)
+                  for n, kk in gemm_shapes(cfg))  # fmt: skip
+    moe = moe_prefill_config.__wrapped__(t, cfg.num_experts_per_tok, cfg.num_experts, arch)
+    return gemms, moe, router_gemm_config.__wrapped__(t, gs, arch)
+
+
+def chunk_lengths(cfg: ModelConfig, chunk: int, arch: Arch = DEFAULT,
+                  x_bytes: int = 2) -> list[int]:  # fmt: skip
+    """Representative chunk lengths in 2..chunk: every GEMV row count, and from each run of
+    lengths that the tile tables of ``arch`` treat alike (``table_choices``), one length
+    for each divisibility class of its ints (the length, the MoE's block-map size, T x H)
+    and the run's longest."""
+    from lily.ops.launch import cdiv
+    from lily.ops.moe_prefill import moe_prefill_config
+
     k, e = cfg.num_experts_per_tok, cfg.num_experts
-    shapes = gemm_shapes(cfg)
     shared = cfg.shared_expert_intermediate_size > 0
 
-    def signature(t: int) -> tuple:
-        return (tuple(gemm_config(t, n, kk, gs) for n, kk in shapes),
-                moe_prefill_config(t, k, e), router_gemm_config(t, gs))  # fmt: skip
-
     def classes(t: int) -> tuple[bool, bool, bool]:
-        bm = moe_prefill_config(t, k, e).block_m
+        bm = moe_prefill_config(t, k, e, arch).block_m
         tiles = cdiv(t * k, bm) + e + (cdiv(t, bm) if shared else 0)  # as moe_prefill sizes it
         rows = t * cfg.num_attention_heads  # attention's split combine takes T x H rows
         return t % 16 == 0, tiles % 16 == 0, rows % 16 == 0
@@ -102,7 +109,7 @@ def chunk_lengths(cfg: ModelConfig, chunk: int) -> list[int]:
     runs: list[list[int]] = []
     prev = None
     for t in range(GEMV_ROWS + 1, chunk + 1):
-        sig = signature(t)
+        sig = table_choices(cfg, t, arch, x_bytes)
         if sig != prev:
             runs.append([])
             prev = sig
@@ -124,10 +131,12 @@ def _cuts(t: int, how: str) -> tuple[int, ...]:
     return ()
 
 
-def prefill_probes(cfg: ModelConfig, chunk: int, max_context: int) -> list[Probe]:
-    """The throwaway prefills (chunks that do not fit ``max_context`` are left out)."""
+def prefill_probes(cfg: ModelConfig, chunk: int, max_context: int, arch: Arch = DEFAULT,
+                   x_bytes: int = 2) -> list[Probe]:  # fmt: skip
+    """The throwaway prefills (chunks that do not fit ``max_context`` are left out), over
+    the tables of ``arch``."""
     probes = []
-    for t in sorted(set(chunk_lengths(cfg, chunk)) | {b for b in BUCKETS if b <= chunk}):
+    for t in chunk_lengths(cfg, chunk, arch, x_bytes):
         probes += [
             Probe(t, 0, _cuts(t, "two")),
             Probe(t, chunk),
@@ -191,7 +200,10 @@ def warm_up(engine, *, progress: bool = True, force: bool = False,
     if not engine.model.kernels and not force:
         return {"skipped": "the reference path compiles nothing"}
     if probes is None:
-        probes = prefill_probes(engine.cfg, engine.engine_cfg.prefill_chunk, engine.max_context)
+        arch = current_arch(torch.device(engine.engine_cfg.device))
+        x_bytes = engine.dtype.itemsize
+        probes = prefill_probes(engine.cfg, engine.engine_cfg.prefill_chunk, engine.max_context,
+                                arch, x_bytes)  # fmt: skip
     state = engine.state
     context = min(context, engine.max_context)
     cap = max(context, *(c.capacity for c in state.kv.values()))

@@ -31,6 +31,9 @@ def test_cpu_report_names_the_reference_path_and_the_plan(hf_tiny_dir):
         assert any(line.startswith(f"  {name} ") for line in text), name
     assert any("KV cache" in line and "1.0 KiB a token" in line for line in text)
     assert any("512.0 MiB" in line and "prefix cache" in line for line in text)
+    assert rep["kernel_tables"] is None and not any("kernel tables" in x for x in text)
+    forced = format_report({**rep, "kernel_tables": "sm_89 (forced by --gpu-arch)"})
+    assert "kernel tables: sm_89 (forced by --gpu-arch)" in forced
 
 
 def test_report_warns_when_the_plan_exceeds_the_free_memory(hf_tiny_dir):

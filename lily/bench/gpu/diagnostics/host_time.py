@@ -3,10 +3,7 @@
 With the device asleep the host cannot wait on it, so the time to return from the call is
 the pure cost of enqueueing (Python, Triton's launch path, allocations); a call that
 returns only after the sleep ends contains a host sync. Also: inclusive host time per
-model op (out_norm includes its linear) and a cProfile of one enqueue. Chunks of up to
-1,024 tokens are prefill-graph replays (no model op runs on the host) unless ``--eager``.
-
-    lily bench --run diagnostics.host_time -- --tokens 256 --cuts "" [--eager]
+model op (out_norm includes its linear) and a cProfile of one enqueue.
 """
 
 from __future__ import annotations
@@ -46,13 +43,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1128)
     ap.add_argument("--cuts", default="2,1123", help="snapshot offsets inside the prompt")
     ap.add_argument("--context", type=int, default=0, help="history before the prompt")
-    ap.add_argument("--eager", action="store_true",
-                    help="no prefill graphs: every chunk launched from the host")  # fmt: skip
     ap.add_argument("--out")
     args = ap.parse_args()
     eng = kernel_engine(full_params())
-    if args.eager:
-        eng.runner.prefill_graphs = None
     ids = pseudo_text_ids(args.tokens, 1100, seed=1)
     ctx = args.context
     cuts = [ctx + int(c) for c in args.cuts.split(",") if c]

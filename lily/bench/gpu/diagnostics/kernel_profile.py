@@ -166,14 +166,12 @@ def locate(eng, ids: list[int]) -> list:
     """Run again on dirty memory with every op checked: the first one to emit a non-finite."""
     found: list = []
     undo = hook_ops(first_nonfinite(found))
-    graphs, eng.runner.prefill_graphs = eng.runner.prefill_graphs, None  # ops on the host
     try:
         torch.cuda.empty_cache()
         poison_allocator()
         eng.runner.prefill(ids, eng.new_state())
     finally:
         undo()
-        eng.runner.prefill_graphs = graphs
     return found
 
 

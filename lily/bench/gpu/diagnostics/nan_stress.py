@@ -38,12 +38,9 @@ def main() -> None:
     eng = kernel_engine(full_params())
     ids = list(range(10, 10 + args.tokens))
     rows = []
-    prefill_graphs = eng.runner.prefill_graphs
     for it in range(args.iters):
         for graphs in (True, False):
             eng.runner.use_graphs = graphs
-            # without graphs every op runs on the host, where the hooks see it
-            eng.runner.prefill_graphs = prefill_graphs if graphs else None
             if args.poison:
                 poison_free_memory()
             st = eng.new_state()

@@ -356,13 +356,23 @@ def attn_split(gen: torch.Generator, mm_tflops: float, shapes=ATTN_SPLIT_SHAPES,
 
 def compile_report() -> list[dict]:
     """Compile every timed configuration for sm_90 on this machine (no GPU needed) and read
-    what ptxas gave each kernel: registers, stack bytes (spills) and shared memory
-    (lily/bench/sm90_compile.py: the public functions run on CPU tensors of the real shapes
-    with kernel launches intercepted, so the kernels see exactly the arguments their
-    launchers pass)."""
-    from lily.bench.sm90_compile import compile_row, intercepted
+    what ptxas gave each kernel: registers, stack bytes (spills) and shared memory.
 
-    with intercepted() as launches:
+    The public functions run on CPU tensors of the real shapes with kernel launches
+    intercepted, so the kernels see exactly the arguments their launchers pass.
+    """
+    import re
+    import tempfile
+    from pathlib import Path
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    launches = []
+    launch = JITFunction.__getitem__
+    JITFunction.__getitem__ = lambda fn, grid: lambda *a, **kw: launches.append((fn, a, kw))
+    try:
         gen = torch.Generator().manual_seed(0)
         d = dn_inputs(1, gen)
         for block_v, warps in DN_DECODE_CONFIGS:
@@ -381,6 +391,12 @@ def compile_report() -> list[dict]:
         for bm, bn, warps in ATTN_PREFILL_CONFIGS:
             launches.append(f"block_m={bm} block_n={bn} warps={warps}")
             attention_prefill(*attn_args(d), 0, inv_freq, block_m=bm, block_n=bn, num_warps=warps)
+    finally:
+        JITFunction.__getitem__ = launch
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    types = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32",
+             torch.int64: "*i64"}  # fmt: skip
     rows, seen, label = [], set(), ""
     for item in launches:
         if isinstance(item, str):
@@ -388,11 +404,38 @@ def compile_report() -> list[dict]:
             continue
         fn, args, kw = item
         const = {k: v for k, v in kw.items() if k in fn.arg_names}
-        key = (fn.__name__, tuple(sorted(const.items())), kw.get("num_warps"),
-               kw.get("num_stages"))  # fmt: skip
-        if key not in seen:
-            seen.add(key)
-            rows.append(compile_row(fn, args, kw, label))
+        opts = {"num_warps": kw.get("num_warps", 4), "num_stages": kw.get("num_stages", 3)}
+        key = (fn.__name__, tuple(sorted(const.items())), tuple(opts.values()))
+        if key in seen:
+            continue
+        seen.add(key)
+        sig, attrs = {}, {}
+        for i, (name, v) in enumerate(zip(fn.arg_names, args, strict=False)):
+            if isinstance(v, torch.Tensor):
+                sig[name] = types[v.dtype]
+                aligned = v.data_ptr() % 16 == 0
+            else:
+                sig[name] = "fp32" if isinstance(v, float) else "i32"
+                aligned = isinstance(v, int) and v % 16 == 0
+            if aligned:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        sig.update({k: "constexpr" for k in const})
+        row = {"kernel": fn.__name__, "config": label, **opts}
+        try:
+            src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
+            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(k.asm["cubin"])
+                f.flush()
+                res = subprocess.run([str(cuobjdump), "-res-usage", f.name], text=True,
+                                     capture_output=True).stdout  # fmt: skip
+            m = re.search(r"REG:(\d+) STACK:(\d+)", res)
+            ptx = k.asm["ptx"]
+            row.update(regs=int(m[1]), stack=int(m[2]), smem=k.metadata.shared,
+                       wgmma=ptx.count("wgmma.mma_async"), mma=ptx.count("mma.sync"))  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - a config that does not compile is data
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        rows.append(row)
     return rows
 
 
