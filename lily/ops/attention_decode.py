@@ -24,6 +24,7 @@ import triton.language as tl
 from lily.ops.arch import DEFAULT, Arch, current_arch
 from lily.ops.launch import cdiv, check, launched, pow2
 from lily.ops.norm_rope import rms_rope_apply, rms_rope_load, sigmoid
+from lily.transfer import table_address
 
 Tensor = torch.Tensor
 
@@ -49,8 +50,9 @@ def _attn_decode_kernel(
         out += i_b * (H * DH)
         o_part += i_b * (HKV * NB * G * DH)
         lse_part += i_b * (HKV * NB * G)
-        k_cache = tl.load(kv_tab + 3 * i_b).to(k_cache.dtype)
-        v_cache = tl.load(kv_tab + 3 * i_b + 1).to(v_cache.dtype)
+        # (16-byte aligned, as Triton assumes of a pointer argument: vectorized loads)
+        k_cache = tl.multiple_of(tl.load(kv_tab + 3 * i_b).to(k_cache.dtype), 16)
+        v_cache = tl.multiple_of(tl.load(kv_tab + 3 * i_b + 1).to(v_cache.dtype), 16)
         T_MAX = tl.load(kv_tab + 3 * i_b + 2).to(tl.int32)
     # NOTE: a position past the cache (a caller's bug) must not write out of bounds: clamp
     pos = tl.minimum(tl.load(p_pos).to(tl.int32), T_MAX - 1)
@@ -363,8 +365,9 @@ def attention_decode(
 def kv_table(caches: list[tuple[Tensor, Tensor]], device: torch.device | str) -> Tensor:
     """The (B, 3) int64 table ``attention_decode_rows`` reads: per row its K cache's and V
     cache's addresses and their capacity (rows of (Hkv, capacity, Dh))."""
-    return torch.tensor([[kc.data_ptr(), vc.data_ptr(), kc.shape[1]] for kc, vc in caches],
-                        dtype=torch.int64, device=device)  # fmt: skip
+    rows = [[table_address(kc, "kv_table"), table_address(vc, "kv_table"), kc.shape[1]]
+            for kc, vc in caches]  # fmt: skip
+    return torch.tensor(rows, dtype=torch.int64, device=device)
 
 
 def attention_decode_rows(
@@ -382,7 +385,7 @@ def attention_decode_rows(
     max_len: int,
     split_threshold: int = 256,
     split: int | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> Tensor:
@@ -424,17 +427,15 @@ def attention_decode_rows(
     tensors = (qg, k, v, q_norm, k_norm, kv_tab, pos, inv_freq)
     _check(all(x.device == qg.device for x in tensors), "all tensors must be on one device")
     _check(max_len >= 1, f"max_len must be >= 1, got {max_len}")
-    if split is None:
-        split = default_split(max_len) if max_len >= split_threshold else 0
-    if 16 <= split < block_n:
-        block_n = split
+    # (the key tile as one sequence's: by the arch and the caches' element size)
+    split, block_n, nb = decode_plan(max_len, current_arch(qg.device), split_threshold, split,
+                                     block_n, cache_like.element_size())  # fmt: skip
     _check(
         split == 0 or split % block_n == 0,
         f"split must be 0 or a multiple of block_n={block_n}, got {split}",
     )
     out = torch.empty(nrows, h * dh, dtype=qg.dtype, device=qg.device)
     g = h // hkv
-    nb = cdiv(max_len, split) if split else 1
     if split:
         o_part = torch.empty(nrows, hkv, nb, g, dh, dtype=torch.float32, device=qg.device)
         lse_part = torch.empty(nrows, hkv, nb, g, dtype=torch.float32, device=qg.device)

@@ -33,6 +33,7 @@ import triton.language as tl
 from lily.ops.launch import cdiv, check, launched, pdl_launch, pow2, use_pdl
 from lily.ops.norm_rope import gated_rmsnorm_rows, sigmoid, silu
 from lily.ops.qgemv import pdl_wait
+from lily.transfer import table_address
 
 Tensor = torch.Tensor
 
@@ -99,8 +100,9 @@ def _deltanet_decode_kernel(
         out += i_r * (HV * VD)
         o_buf += i_r * (HV * VD)
         counters += i_r * HK
-        conv_state = tl.load(st_tab + 2 * i_r).to(conv_state.dtype)
-        state = tl.load(st_tab + 2 * i_r + 1).to(state.dtype)
+        # (16-byte aligned, as Triton assumes of a pointer argument: vectorized loads)
+        conv_state = tl.multiple_of(tl.load(st_tab + 2 * i_r).to(conv_state.dtype), 16)
+        state = tl.multiple_of(tl.load(st_tab + 2 * i_r + 1).to(state.dtype), 16)
     C: tl.constexpr = 2 * HK * K + HV * VD
     i_kh = i_h // G
     o_k = tl.arange(0, BK)
@@ -339,8 +341,9 @@ def deltanet_decode(
 def state_table(states: list[tuple[Tensor, Tensor]], device: torch.device | str) -> Tensor:
     """The (B, 2) int64 table ``deltanet_decode_rows`` reads: per row its conv state's and
     recurrent state's addresses."""
-    return torch.tensor([[c.data_ptr(), s.data_ptr()] for c, s in states], dtype=torch.int64,
-                        device=device)  # fmt: skip
+    rows = [[table_address(c, "state_table"), table_address(s, "state_table")]
+            for c, s in states]  # fmt: skip
+    return torch.tensor(rows, dtype=torch.int64, device=device)
 
 
 def deltanet_decode_rows(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from lily.model.model import Rows
-from lily.transfer import to_device
+from lily.transfer import table_address, to_device
 
 
 def graph_key(state) -> tuple:
@@ -67,10 +67,11 @@ class RowBuffers:
         # caches move when they grow; the states are held below, so an id is not reused.
         key = tuple((id(s), tuple(c.k.data_ptr() for c in s.kv.values())) for s in states)
         if key != self._key:
-            kv = [[(s.kv[i].k.data_ptr(), s.kv[i].v.data_ptr(), s.kv[i].capacity) for s in states]
-                  for i in self.attn]  # fmt: skip
-            st = [[(s.deltanet[i].conv.data_ptr(), s.deltanet[i].recurrent.data_ptr())
-                   for s in states] for i in self.linear]  # fmt: skip
+            kv = [[(table_address(s.kv[i].k, "rows"), table_address(s.kv[i].v, "rows"),
+                    s.kv[i].capacity) for s in states] for i in self.attn]  # fmt: skip
+            st = [[(table_address(s.deltanet[i].conv, "rows"),
+                    table_address(s.deltanet[i].recurrent, "rows")) for s in states]
+                  for i in self.linear]  # fmt: skip
             # NOTE: a replay already queued reads the old tables first (stream order)
             if self.attn:
                 self._put(self.kv, [x for layer in kv for row in layer for x in row])

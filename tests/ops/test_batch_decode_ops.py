@@ -101,3 +101,24 @@ def test_deltanet_rows_each_on_its_own_states(block_v):
         assert rel(d["state"], ref_state) < 1e-5, r
         assert torch.equal(d["conv_state"].float().cpu(), ref_conv), r  # the inputs, moved up
     assert int(ws.counters.abs().sum()) == 0  # reset for the next launch
+
+
+def test_tables_take_only_aligned_contiguous_buffers():
+    """The batched kernels tell Triton that a buffer named in their table is 16-byte
+    aligned (so its loads vectorize, as for a pointer argument): a table of a misaligned
+    or strided buffer is refused with an error naming it."""
+    d = make_inputs(1, 16)
+    kc, vc = d["k_cache"], d["v_cache"]
+    flat = torch.zeros(kc.numel() + 1, dtype=kc.dtype, device=DEVICE)
+    shifted = flat[1:].view(kc.shape)  # one element (2 bytes) off
+    assert attn.kv_table([(kc, vc)], DEVICE).shape == (1, 3)
+    with pytest.raises(ValueError, match="kv_table: .*16-byte aligned"):
+        attn.kv_table([(kc, vc), (shifted, vc)], DEVICE)
+    with pytest.raises(ValueError, match="kv_table: .*contiguous"):
+        attn.kv_table([(kc.transpose(1, 2), vc)], DEVICE)
+    s = dn_inputs(1, seed=3)
+    conv, state = s["conv_state"], s["state"]
+    assert dn.state_table([(conv, state)], DEVICE).shape == (1, 2)
+    odd = torch.zeros(state.numel() + 1, dtype=state.dtype, device=DEVICE)[1:].view(state.shape)
+    with pytest.raises(ValueError, match="state_table: .*16-byte aligned"):
+        dn.state_table([(conv, odd)], DEVICE)
