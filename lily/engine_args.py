@@ -8,7 +8,7 @@ import argparse
 import os
 import sys
 
-from lily.config import EngineConfig
+from lily.config import MAX_RUNNING, EngineConfig
 from lily.ops.arch import ARCHS
 
 
@@ -59,6 +59,10 @@ def engine_config(args: argparse.Namespace):
     if arch != "auto" and arch not in ARCHS:  # from LILY_GPU_ARCH (argparse checked a flag)
         raise ValueError(f"LILY_GPU_ARCH: unknown GPU architecture {arch!r} "
                          f"(known: {', '.join(ARCHS)})")  # fmt: skip
+    max_running = getattr(args, "max_running", 1)  # (a flag of lily serve's)
+    if not 1 <= max_running <= MAX_RUNNING:
+        raise ValueError(f"--max-running: must be between 1 and {MAX_RUNNING} (the requests "
+                         f"one batched decode step holds), got {max_running}")  # fmt: skip
     if args.max_context is not None and args.max_context < 2:
         raise ValueError(f"--max-context: must be at least 2 tokens, got {args.max_context}")
     return EngineConfig(
@@ -75,6 +79,7 @@ def engine_config(args: argparse.Namespace):
         prefix_cache_gb=getattr(args, "prefix_cache_gb", 1.0),
         prefix_cache_host_gb=getattr(args, "prefix_cache_host_gb", 0.0),
         gpu_arch=None if arch == "auto" else arch,
+        max_running=max_running,
     )
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lily.config import ModelConfig
+from lily.config import MAX_RUNNING, ModelConfig
 from lily.model.attention import attention_mixer
 from lily.model.bundles import AttentionWeights, DeltaNetWeights, Fused, MoEWeights
 from lily.model.deltanet import deltanet_mixer
@@ -55,7 +55,7 @@ if HAS_KERNELS:
     from lily.ops.rmsnorm import add_rmsnorm, rmsnorm
 
 
-MAX_ROWS = 16  # sequences one batched decode step may hold (the DeltaNet scratch's rows)
+MAX_ROWS = MAX_RUNNING  # sequences one batched decode step may hold (the DeltaNet scratch's rows)
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,6 +60,7 @@ class RowBuffers:
         self.tables |= {i: self.st[j] for j, i in enumerate(self.linear)}
         self._key: tuple | None = None
         self._states: list = []
+        self.logits: torch.Tensor | None = None  # the captured steps' output (logits_buffer)
 
     def rows(self, states: list) -> Rows:
         """``Rows`` of ``states`` over these tables (rewritten when their buffers moved)."""
@@ -79,6 +80,18 @@ class RowBuffers:
                 self._put(self.st, [x for layer in st for row in layer for x in row])
             self._key, self._states = key, list(states)
         return Rows(states, self.tables)
+
+    def forget(self) -> None:
+        """Drop the states the tables name (the next ``rows`` rewrites them)."""
+        self._key, self._states = None, []
+
+    def logits_buffer(self, vocab_size: int) -> torch.Tensor:
+        """The fp32 (n, V) logits every captured step of this batch size writes (one
+        buffer for all their graphs: the next replay of any of them overwrites it)."""
+        if self.logits is None:
+            self.logits = torch.empty(self.n, vocab_size, dtype=torch.float32,
+                                      device=self.ids.device)  # fmt: skip
+        return self.logits
 
     def load(self, token_ids: list[int] | None, starts: list[int]) -> None:
         """The step's input ids (None: those the last step drew, already there) and

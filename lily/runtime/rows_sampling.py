@@ -79,6 +79,10 @@ class RowsSampler:
                 self.counts[r].index_add_(0, ids, torch.ones(len(ids), device=ids.device))
         self.owners[r] = owner
 
+    def clear(self) -> None:
+        """No row holds a request any more: the next ``load`` of each row loads it."""
+        self.owners = [None] * self.rows
+
     def drawn(self, r: int, owner) -> None:
         """Row ``r`` made a draw: its owner key moves on (the request's count with it)."""
         self.owners[r] = owner

@@ -49,6 +49,15 @@ def no_gc():
             gc.enable()
 
 
+def context_bucket(start: int, capacity: int) -> int:
+    """The context bound a decode step at ``start`` is captured for (its graph's key): a
+    power of two from MIN_BUCKET, capped at the KV ``capacity``."""
+    b = MIN_BUCKET
+    while b < start + 1:
+        b *= 2
+    return min(b, capacity)
+
+
 class Runner:
     """Chunked prefill and decode of one session state at a time over ``model``.
 
@@ -240,6 +249,14 @@ class Runner:
             buf.ids.copy_(buf.drawn.clamp_min(0))
         return logits
 
+    def forget_rows(self) -> None:
+        """Let go of the states the batched steps last ran (a warm-up's scratch states):
+        the next step rewrites its tables and reloads every row's sampler."""
+        for buf in self.row_buffers.values():
+            buf.forget()
+        if self.rows_sampler is not None:
+            self.rows_sampler.clear()
+
     def _row_buffers(self, n: int) -> RowBuffers:
         buf = self.row_buffers.get(n)
         if buf is None:
@@ -255,9 +272,13 @@ class Runner:
             snaps = [s.snapshot_recurrent() for s in states]
             drawn = self.rows_sampler.snapshot() if draw is not None else None
 
+            logits = buf.logits_buffer(self.model.cfg.vocab_size)
+
             def step():
                 pos = buf.pos if self.model.kernels else [s.length for s in states]
-                return self._rows_forward(rows, buf.ids, pos, bound, buf, draw)
+                # NOTE: into the batch size's one logits buffer, shared by its graphs: a
+                # graph then keeps none of its own (the memory plan's figure holds).
+                return logits.copy_(self._rows_forward(rows, buf.ids, pos, bound, buf, draw))
 
             def put_back():
                 for s, snap in zip(states, snaps, strict=True):
@@ -321,10 +342,7 @@ class Runner:
 
     def _bucket(self, start: int, state) -> int:
         cap = min(c.capacity for c in state.kv.values()) if state.kv else start + 1
-        b = MIN_BUCKET
-        while b < start + 1:
-            b *= 2
-        return min(b, cap)
+        return context_bucket(start, cap)
 
     def _graph(self, state, start: int, sampled: bool = False):
         """The captured step for this state's buffers and context bucket (with ``sampled``,

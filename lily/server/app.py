@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
+from lily.config import MAX_RUNNING
 from lily.server import api_messages, api_responses
 from lily.server.api_messages_events import AnthropicErrors
 from lily.server.grammar import GrammarCompiler
@@ -314,7 +315,7 @@ def _start_engine(engine: Any, ctx: Context) -> None:
 
         if ctx.status == "loading":
             ctx.status = "warming up"
-        warm_up(engine, log=lambda m: log.info("%s", m))
+        warm_up(engine, log=lambda m: log.info("%s", m), max_running=ctx.settings.max_running)
         if ctx.status == "warming up":
             ctx.status = "loading"  # attach makes it ready
 
@@ -414,8 +415,9 @@ def settings_from_args(
     if args.queue_size < 0:
         raise ValueError("--queue-size: must be >= 0")
     max_running = getattr(args, "max_running", Settings.max_running)
-    if max_running < 1:
-        raise ValueError("--max-running: must be >= 1")
+    if not 1 <= max_running <= MAX_RUNNING:
+        raise ValueError(f"--max-running: must be between 1 and {MAX_RUNNING} (the requests "
+                         "one batched decode step holds)")  # fmt: skip
     if not 0 < args.keepalive <= 3600:
         raise ValueError("--keepalive: must be in (0, 3600] seconds")
     if args.max_body_bytes < 1024:

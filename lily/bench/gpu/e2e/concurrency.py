@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = "cpu" if args.tiny else "cuda"
     cfg = model_config("tiny" if args.tiny else "full")
-    kw = {"device": device, "max_context": args.max_context}
+    # (max_running: the engine plans memory for the batched steps; the server warms them)
+    kw = {"device": device, "max_context": args.max_context, "max_running": args.max_running}
     if not args.tiny:
         kw |= {"dtype": "bfloat16", "use_kernels": True}
     if args.prefill_chunk:
