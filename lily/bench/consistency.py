@@ -230,7 +230,7 @@ def load_reference(args, ours: Ours) -> _Scorer:
         return _Scorer(lambda ids, n: score_model(ref, ids, n, ours.fast),
                        {"path": "plain-PyTorch reference", "dtype": str(dt)[6:],
                         "device": ours.device})  # fmt: skip
-    peers.check_available(args.reference)
+    peers.check_available(args.reference, load=True)
     dtype = args.reference_dtype or eng.engine_cfg.dtype
     keep = None
     path = args.model

@@ -38,7 +38,7 @@ PEERS: dict[str, PeerSpec] = {
     "transformers": PeerSpec(
         "transformers", ("transformers",), "lily.bench.peer_hf:TransformersAdapter"
     ),
-    "mlx-lm": PeerSpec("mlx-lm", ("mlx", "mlx_lm"), "lily.bench.peer_mlx:MlxAdapter"),
+    "mlx-lm": PeerSpec("mlx-lm", ("mlx.core", "mlx_lm"), "lily.bench.peer_mlx:MlxAdapter"),
     "lily": PeerSpec("lily", ("torch",), "lily.bench.source:LilyPeerAdapter"),
 }
 
@@ -56,8 +56,10 @@ def parse_peers(text: str | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def check_available(name: str) -> None:
-    """Raise PeerUnavailable when a module the peer needs is not installed."""
+def check_available(name: str, load: bool = False) -> None:
+    """Raise PeerUnavailable when a module the peer needs is not installed, or with
+    ``load`` (a peer run in this process) when it does not import: an mlx wheel without
+    its backend (mlx-cpu or mlx-cuda) is installed, and fails only on import."""
     for mod in PEERS[name].requires:
         try:
             found = importlib.util.find_spec(mod) is not None
@@ -65,6 +67,13 @@ def check_available(name: str) -> None:
             found = False
         if not found:
             raise PeerUnavailable(f"peer {name}: skipped (Python package {mod!r} not installed)")
+        if load:
+            try:
+                importlib.import_module(mod)
+            except Exception as e:  # noqa: BLE001 - any failure: the peer cannot run here
+                raise PeerUnavailable(
+                    f"peer {name}: skipped ({mod!r} does not import: {one_line(e)})"
+                ) from e
 
 
 def load_adapter(name: str, source: dict) -> BenchAdapter:

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from optional_deps import mlx_missing
 
 from lily.bench.cli import add_compare_args, run_compare
 from lily.bench.consistency import layer_local, make_paths, parse_contexts, upcast
@@ -142,6 +143,7 @@ def test_compare_random_model_against_itself_in_fp32(tmp_path):
     assert res["rel_l2"] == 0.0 and res["top1_agreement_pct"] == 100.0
 
 
+@pytest.mark.skipif(mlx_missing() is not None, reason=mlx_missing() or "")
 def test_mlx_lm_reads_the_conditioned_bytes_as_we_do(tmp_path):
     """The conditioned model written for MLX-LM (zero groups, power-of-two router scales)
     gives its fp32 logits within MLX's own rounding of ours, after a context."""

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from lily.bench.driver import parse_lengths
-from lily.bench.peers import PEERS, PeerSpec, check_available, parse_peers, start_peer
+from lily.bench.peers import (
+    PEERS,
+    PeerSpec,
+    PeerUnavailable,
+    check_available,
+    parse_peers,
+    start_peer,
+)
 from lily.bench.sweep import BenchAdapter, LocalEngine, Slot, run_point, sweep
 
 
@@ -109,6 +116,23 @@ def test_peer_names_and_a_peer_whose_import_fails(monkeypatch):
     assert start_peer("ghost", {"device": "cpu"}, log=lines.append) is None
     assert lines == ["peer ghost: skipped (Python package 'lily_no_such_module' not installed)"]
     check_available("transformers")  # installed here: no error
+
+
+def test_a_peer_installed_but_failing_to_import_is_unavailable_when_loaded(tmp_path, monkeypatch):
+    """mlx without its backend wheel is found by find_spec and fails on import (the H200
+    host with mlx but not mlx-cpu): a peer run in this process must see that up front."""
+    pkg = tmp_path / "lily_broken_backend"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        "raise ImportError('libbackend.so: cannot open shared object file')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(PEERS, "broken", PeerSpec("broken", ("lily_broken_backend",), "x:Y"))
+    check_available("broken")  # installed: the worker reports the import error itself
+    with pytest.raises(
+        PeerUnavailable, match=r"'lily_broken_backend' does not import: .*libbackend"
+    ):
+        check_available("broken", load=True)
 
 
 def test_lily_adapter_times_the_engines_own_loop():

@@ -302,7 +302,10 @@ def test_attention_decode_fallback_keys_same_result(forced):
         kw = next(dict(freeze(r).kwargs) for r in rec if freeze(r).name == "_attn_decode_kernel")
         got[name] = at.decode(d, 0, 299), kw["BN"], kw["IS_SPLIT"]
     assert got[None][1:] == (64, True) and got["sm_89"][1:] == (32, True)
-    assert at.rel(got["sm_89"][0], got[None][0]) < 1e-6
+    # another key tile keeps another running max: exact maths in the interpreter, but on a
+    # GPU the tf32 dot rounds p = exp(s - max) differently (the H200 failed 1e-6 here)
+    same = 1e-6 if at.DEVICE == "cpu" else at.DOT_F32_TOL
+    assert at.rel(got["sm_89"][0], got[None][0]) < same
     assert at.rel(got["sm_89"][0], want) < at.DOT_F32_TOL
 
 

@@ -34,9 +34,13 @@ class Server:
         # One torch thread: the tiny model gains nothing from more, and on a busy CI host
         # spinning worker threads slow every step several-fold.
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+        # No warm-up: on a GPU it compiles every kernel variant before /health says ready
+        # (minutes with a dozen test workers compiling at once; these fixtures errored on the
+        # H200 once it was on by default), and these tests are of the API; the warm-up has
+        # its own tests (tests/runtime/test_warmup.py, tests/server/test_context_limit.py).
         self._out = open(log, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, *argv, "--port", str(self.port)],
+            [sys.executable, *argv, "--port", str(self.port), "--no-warmup"],
             cwd=ROOT, env=env, stdout=self._out, stderr=subprocess.STDOUT,
         )  # fmt: skip
 

@@ -190,9 +190,13 @@ persistent_stream(const unsigned char* arena, const int4* chunks, const int* fir
       const int bytes = chunks[i].z;
       mbar_wait(smem_u32(&bars[s]), (k / NSTAGE) & 1);
       const uint4* src = (const uint4*)(smem + (long long)s * CHUNK);
+      // The loop runs warp by warp (a lane past the chunk reads zeros): mma.sync.aligned
+      // needs every lane of the warp at the same instruction, and a chunk of fewer than
+      // 16 * 32 bytes a warp left lanes out (the kernel hung on the H200 with 64-byte chunks).
 #pragma unroll 4
-      for (int j = t; j < bytes / 16; j += NCW * 32) {
-        const uint4 w = src[j];
+      for (int j0 = t - lane; j0 < bytes / 16; j0 += NCW * 32) {
+        const int j = j0 + lane;
+        const uint4 w = j < bytes / 16 ? src[j] : make_uint4(0u, 0u, 0u, 0u);
         sum += w.x + w.y + w.z + w.w;
 #if MMA
         // a group of 64 codes of two rows: four MMAs into one accumulator (as the GEMV)

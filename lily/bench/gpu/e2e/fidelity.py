@@ -111,7 +111,7 @@ def mlx_reference(args, params: dict):
     if args.mlx == "off":
         return None
     try:
-        peers.check_available("mlx-lm")
+        peers.check_available("mlx-lm", load=True)
     except peers.PeerUnavailable as e:
         if args.mlx == "on":
             raise
