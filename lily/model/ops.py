@@ -46,6 +46,7 @@ if HAS_KERNELS:
     from lily.ops.embedding import DTYPES as EMBED_DTYPES
     from lily.ops.embedding import embedding_rows
     from lily.ops.moe_decode import moe_decode
+    from lily.ops.moe_decode_rows import moe_decode_rows, rows_fit
     from lily.ops.moe_prefill import moe_prefill
     from lily.ops.norm_rope import rope_inv_freq
     from lily.ops.qgemm import qgemm
@@ -251,9 +252,11 @@ def moe(x: Tensor, h: Tensor | None, norm_w: Tensor, m: MoEWeights, next_norm: T
     """``x + moe(h)`` with ``h = rmsnorm(x) * norm_w`` (``h`` when given), and with
     ``next_norm`` also its RMSNorm by that weight (the next layer's input) where the kernel
     makes it in its last launch (a prefill chunk), else None. Three launches for one row
-    (the norm in the first one's prologue when ``h`` is None), routing on the GPU. The MoE
-    kernels take packed experts; dense ones (an unquantized checkpoint) take the reference
-    (not graph-capturable: ``Model.capturable``)."""
+    (the norm in the first one's prologue when ``h`` is None), four for the rows of a
+    batched decode step (bf16, 4-bit experts: moe_decode_rows, each chosen expert read once
+    for all its rows; else moe_prefill), routing on the GPU. The MoE kernels take packed
+    experts; dense ones (an unquantized checkpoint) take the reference (not
+    graph-capturable: ``Model.capturable``)."""
     eps, top_k = cfg.rms_norm_eps, cfg.num_experts_per_tok
     w = (m.router, m.gate_proj, m.up_proj, m.down_proj, m.shared_gate_proj, m.shared_up_proj,
          m.shared_down_proj, m.shared_expert_gate)  # fmt: skip
@@ -269,6 +272,14 @@ def moe(x: Tensor, h: Tensor | None, norm_w: Tensor, m: MoEWeights, next_norm: T
         else:
             y = moe_decode(h[0], *w, top_k=top_k, residual=x[0])
         return y[None], None
+    if k.step and rows_fit(x, m.gate_proj, m.up_proj, m.down_proj, w[4:7]):
+        # A batched decode step: each chosen expert read once for the rows that chose it.
+        if h is None:
+            y = moe_decode_rows(x, *w, top_k=top_k, residual=x, norm_weight=norm_w, eps=eps,
+                                pdl=k.pdl)  # fmt: skip
+        else:
+            y = moe_decode_rows(h, *w, top_k=top_k, residual=x, pdl=k.pdl)
+        return y, None
     if h is None:  # a decode step of several rows: no GEMV prologue made the norm
         h = rmsnorm(x, norm_w, eps)
     if next_norm is None:
