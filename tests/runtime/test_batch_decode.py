@@ -155,6 +155,50 @@ def test_kernel_rows_match_kernel_single_steps(checkpoint, graphs):
         assert {k[:2] for k in runner.graphs if k[0] == "rows"} == {("rows", 3), ("rows", 4)}
 
 
+def test_model_rows_on_the_kernels_equal_each_row_alone(monkeypatch):
+    """Model.run over Rows on the kernels (the Triton interpreter on the CPU; bf16, so
+    every layer's MoE takes the batched MoE decode, moe_decode_rows, and the mixers their
+    row tables) against Model.run of each row alone on the kernels' one-sequence step
+    (moe_decode): the last layer's output of every row. Rows at different positions over
+    states prefilled (by the reference path) from different prompts. Two layers, one of
+    each kind, of the tiny model's shapes: a step of the four-layer model took minutes on
+    the interpreter."""
+    import dataclasses
+
+    import lily.model.ops as model_ops
+    from lily.bench.random_model import model_config, random_params
+    from lily.runtime.rows import RowBuffers
+
+    cfg = dataclasses.replace(model_config("tiny"), num_hidden_layers=2,
+                              layer_types=("linear_attention", "full_attention"))  # fmt: skip
+    params = random_params(cfg, "cpu", "mlx4", seed=3, dtype=torch.bfloat16)
+    ref = Model(cfg, params, torch.bfloat16, kernels=False)
+    model = Model(cfg, params, torch.bfloat16, kernels=True)
+    prompts, toks = [[5, 6, 7, 8, 9], list(range(40, 71)), [300, 301]], [17, 400, 23]
+    batch, alone = [], []
+    for p in prompts:  # the same prefill twice: one state for the batch, one alone
+        for group in (batch, alone):
+            st = new_state(ref)
+            Runner(ref, 64).prefill(p, st)
+            group.append(st)
+    calls = []
+    real = model_ops.moe_decode_rows
+    monkeypatch.setattr(
+        model_ops, "moe_decode_rows", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    bound = 64
+    rows = RowBuffers(cfg, len(prompts), torch.device("cpu")).rows(batch)
+    starts = torch.tensor([len(p) for p in prompts], dtype=torch.int32)
+    with torch.inference_mode():
+        got, _ = model.run(torch.tensor(toks), rows, starts, bound, step=True)
+        assert len(calls) == cfg.num_hidden_layers  # every layer's MoE took the rows kernel
+        for r, (p, st) in enumerate(zip(prompts, alone, strict=True)):
+            want, _ = model.run(torch.tensor(toks[r : r + 1]), st, len(p), bound, step=True)
+            err = float((got[r].double() - want[0].double()).norm() / want[0].double().norm())
+            assert err <= 2e-2, (r, err)  # bf16 roundings in another order
+    assert len(calls) == cfg.num_hidden_layers  # (the rows alone: moe_decode)
+
+
 def test_row_tables_follow_the_rows_buffers(checkpoint):
     """The batched kernels' tables name each row's caches (address, capacity) and states,
     and are rewritten when a cache grows or another state takes a row."""
