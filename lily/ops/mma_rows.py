@@ -55,9 +55,10 @@ def rows_operand(b_x, G: tl.constexpr, GROUP: tl.constexpr, W: tl.constexpr,
     b = tl.reshape(tl.permute(tl.reshape(b_x, (BR, W, GH, GROUP)), (0, 2, 1, 3)),
                    (BR * G, GROUP))  # fmt: skip
     b_xs = tl.reshape(tl.sum(b, axis=1), (BR, G))
+    b = as_term(b, ON_CPU)  # (exact: the values are bf16's) half the registers to permute
     b = tl.reshape(tl.permute(tl.reshape(b, (BR * G, 4, WPL, 2, 2, 2)), (0, 2, 4, 1, 5, 3)),
                    (BR, G, GROUP))  # fmt: skip
-    return as_term(tl.permute(b, (1, 2, 0)), ON_CPU), tl.permute(b_xs, (1, 0))
+    return tl.permute(b, (1, 2, 0)), tl.permute(b_xs, (1, 0))
 
 
 @triton.jit

@@ -120,9 +120,10 @@ def _route(p_logits, p_slots, p_wslot, p_count, p_ticket, B, E, N_PAD, N_TICKETS
     b_l = tl.load(p_logits + o_r[:, None] * stride_lt + o_e[None, :],
                   mask=(o_r < B)[:, None] & (o_e < E)[None, :], other=0.0)  # fmt: skip
     ids, wts = topk_rows(b_l, E, TOP_K, BLOCK_K)  # (BR, BLOCK_K)
-    # The experts any row chose (a row at a time: (k, E) compares, not (B, k, E)).
+    # The experts any row chose (a row at a time: (k, E) compares, not (B, k, E); a loop,
+    # not unrolled: 16 unrolled rows took 140 CPU-s to compile for sm_90).
     chosen = tl.zeros((BLOCK_E,), tl.int32)
-    for r in tl.static_range(BR):
+    for r in range(BR):
         ids_r = tl.sum(tl.where(o_r[:, None] == r, ids, 0), axis=0)
         hit = (ids_r[:, None] == o_e[None, :]) & ((o_k < TOP_K) & (r < B))[:, None]
         chosen = chosen | tl.max(hit.to(tl.int32), axis=0)
@@ -133,7 +134,7 @@ def _route(p_logits, p_slots, p_wslot, p_count, p_ticket, B, E, N_PAD, N_TICKETS
     tl.store(p_slots + o_s, tl.zeros((BS,), tl.int32) + last, mask=(o_s >= u) & (o_s < N_PAD))
     tl.store(p_count, u)
     # Each row's routing weight of each slot (0: not chosen; a row's k experts are distinct).
-    for r in tl.static_range(BR):
+    for r in range(BR):
         sel = o_r[:, None] == r
         ids_r = tl.sum(tl.where(sel, ids, 0), axis=0)
         wts_r = tl.sum(tl.where(sel, wts, 0.0), axis=0)
