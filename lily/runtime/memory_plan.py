@@ -16,8 +16,8 @@ asks it what one request needs. The parts, for the full model at 128K (docs/note
 - graphs: the CUDA-graph decode steps' memory pool (kernel path);
 - batched steps: with up to ``max_running`` requests decoded together (``lily serve
   --max-running``), each batch size's logits buffer (its graphs share it), the largest
-  step's temporaries (the rows' activations, attention partials, logits and draws) and the
-  rows sampler's per-row tables;
+  step's temporaries (the rows' activations, attention partials, the batched MoE's h and
+  partials, logits and draws) and the rows sampler's per-row tables;
 - prefix cache: its device budget (``--prefix-cache-gb``), all of which it may fill;
 - margin: the allocator's rounding, cuBLAS workspaces, grammar masks.
 
@@ -126,7 +126,22 @@ def batch_bytes(cfg: ModelConfig, dtype: torch.dtype, max_running: int, context:
     partials = cfg.num_attention_heads * blocks * (cfg.head_dim + 1) * 4
     step = n * (token_bytes(cfg, dtype) + v * (4 + DRAW_BYTES) + partials)
     sampler = MAX_RUNNING * v * (1 + 4)  # the rows sampler's seen (bool) and counts (fp32)
-    return logits + step + sampler
+    return logits + step + moe_rows_bytes(cfg, n) + sampler
+
+
+def moe_rows_bytes(cfg: ModelConfig, n: int) -> int:
+    """The batched MoE decode's scratch for a step of ``n`` rows (lily/ops/moe_decode_rows.py),
+    bounded as if every step had 16 columns and 4 slots a down chunk (its largest form): h
+    of each slot's rows (bf16), the down launch's fp32 partials, the logits, the slot plan
+    and the tickets."""
+    e, k, d = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size
+    i, i_s, cols = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size, 16
+    slots = min(e, n * k)
+    padded = slots + 8  # the plan's slot list, whole chunks of up to 8
+    h = slots * cols * i * 2 + cols * max(i_s, 1) * 2
+    partials = (-(-slots // 4) + 1) * cols * d * 4
+    plan = n * (e + 1) * 4 + padded * (cols + 1) * 4 + 4 + d * 4  # (tickets: d / 16 at most)
+    return h + partials + plan
 
 
 @dataclass(frozen=True)

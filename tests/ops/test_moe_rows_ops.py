@@ -213,3 +213,40 @@ def test_rows_at_the_model_shapes(b):
     x = (2.0 * torch.randn(b, 2048, generator=gen)).bfloat16().cuda()
     y = moe_decode_rows(x, *w.values(), 8, x, norm_weight=nw, eps=EPS, pdl=True)
     assert max(check_rows(y, x, w, 8, nw, x)) < BOUND
+
+
+def test_memory_plan_covers_the_scratch(monkeypatch):
+    """What a call allocates besides its output, at the full model's shapes for every
+    batch size (meta tensors, launches recorded, not run), is within the memory plan's
+    figure for the batched MoE (lily/runtime/memory_plan.py moe_rows_bytes)."""
+    from lily.bench.random_model import model_config
+    from lily.ops.launch import record_launches
+    from lily.quant import QuantWeight
+    from lily.runtime.memory_plan import moe_rows_bytes
+
+    cfg = model_config("full")
+    e, d, i, k = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, 8
+
+    def q(*shape, bits=4):
+        meta = {"device": "meta"}
+        return QuantWeight(torch.empty(*shape[:-1], shape[-1] * bits // 32, dtype=torch.int32,
+                                       **meta),
+                           torch.empty(*shape[:-1], shape[-1] // 64, dtype=torch.bfloat16,
+                                       **meta),
+                           torch.empty(*shape[:-1], shape[-1] // 64, dtype=torch.bfloat16,
+                                       **meta), bits, 64)  # fmt: skip
+
+    w = [q(e, d, bits=8), q(e, i, d), q(e, i, d), q(e, d, i), q(i, d), q(i, d), q(d, i),
+         q(1, d, bits=8)]  # fmt: skip
+    made = []
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: made.append(real_empty(*a, **kw))
+                        or made[-1])  # fmt: skip
+    for n in range(2, 17):
+        x = real_empty(n, d, dtype=torch.bfloat16, device="meta")
+        made.clear()
+        with record_launches() as rec:
+            out = moe_decode_rows(x, *w, k, x, norm_weight=real_empty(d, device="meta"))
+        assert len(rec) == 4
+        scratch = sum(t.nbytes for t in made) - out.nbytes
+        assert 0 < scratch <= moe_rows_bytes(cfg, n), n
