@@ -250,3 +250,29 @@ def test_memory_plan_covers_the_scratch(monkeypatch):
         assert len(rec) == 4
         scratch = sum(t.nbytes for t in made) - out.nbytes
         assert 0 < scratch <= moe_rows_bytes(cfg, n), n
+
+
+def test_the_batched_step_takes_the_rows_kernel():
+    """The engine's batched decode step (the compile matrix's record of Runner.decode_rows
+    on meta tensors, what the warm-up runs for every batch size) sends every layer's MoE
+    through moe_decode_rows' four launches at 2 to 16 rows, and none through moe_prefill;
+    8-bit experts keep moe_prefill."""
+    from lily.ops.arch import DEFAULT
+    from lily.ops.launchable import Variant, launches
+
+    def in_rows(found, module: str) -> dict[str, set[int]]:
+        out: dict[str, set[int]] = {}
+        for launch, where in found.items():
+            bs = {int(w.split("B=")[1].split()[0]) for w in where if "decode rows" in w}
+            if launch.module == f"lily.ops.{module}" and bs:
+                out.setdefault(launch.name, set()).update(bs)
+        return out
+
+    full = launches(Variant("full"), DEFAULT)
+    names = ("_rows_router_kernel", "_rows_route_kernel", "_rows_gate_up_kernel",
+             "_rows_down_kernel")  # fmt: skip
+    assert in_rows(full, "moe_decode_rows") == {n: set(range(2, 17)) for n in names}
+    assert in_rows(full, "moe_prefill") == {}
+    eight = launches(Variant("tiny", "mlx8"), DEFAULT)
+    assert in_rows(eight, "moe_decode_rows") == {}
+    assert set(in_rows(eight, "moe_prefill")["_moe_down_kernel"]) == set(range(2, 17))
