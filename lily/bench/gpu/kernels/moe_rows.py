@@ -1,5 +1,6 @@
-"""The batched MoE decode (moe_decode_rows) against its byte floor and the paths it
-replaces, for B = 1, 2, 4, 8, 16 rows (one token each) at the model's shapes.
+"""The batched MoE decode (moe_decode_rows) against its byte floor and the old path.
+
+B = 1, 2, 4, 8, 16 rows (one token each) at the model's shapes.
 
 Run on the GPU (about 2 minutes, most of it compiling and making 4 layers of weights):
 
