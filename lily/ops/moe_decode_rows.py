@@ -47,8 +47,6 @@ import triton.language as tl
 
 from lily.ops.launch import (
     cdiv,
-    check_weight,
-    check_x,
     launched,
     mask_lo,
     pdl_launch,
@@ -56,13 +54,13 @@ from lily.ops.launch import (
     use_pdl,
 )
 from lily.ops.mma_rows import gate_up_rows, rows_dot, rows_operand, rows_x
-from lily.ops.moe_decode import MoeDecodeConfig, check_moe_weights, check_shared
+from lily.ops.moe_decode import MoeDecodeConfig, check_moe
 from lily.ops.moe_decode_mma import mma_fits
 from lily.ops.moe_decode_parts import topk_rows
 from lily.ops.norm_rope import sigmoid
 from lily.ops.qgemv import gemv_block, pdl_wait
 from lily.ops.qgemv_mma import PAIR_MASK, mma_supports, mma_tile
-from lily.ops.rmsnorm import cast_to, check_norm, norm_meta, to_bf16
+from lily.ops.rmsnorm import cast_to, norm_meta, to_bf16
 from lily.quant import QuantWeight
 
 Tensor = torch.Tensor
@@ -383,28 +381,18 @@ def moe_decode_rows(
     (Hopper and newer; ignored elsewhere).
     """
     name = "moe_decode_rows"
-    e, i, d = check_moe_weights(gate, up, down, name)
-    check_weight(router, f"{name}: router", 2)
-    if tuple(router.shape) != (e, d):
-        raise ValueError(f"{name}: router {router.shape} must be (E, D) = ({e}, {d})")
-    i_s = check_shared(shared_gate, shared_up, shared_down, shared_expert_gate, gate, d, name)
-    check_x(x, d, name, gate.device)
-    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
-        raise ValueError(f"{name}: x must be (B, D) with 1 <= B <= {MAX_ROWS}, got "
-                         f"{tuple(x.shape)}")  # fmt: skip
+    w = (router, gate, up, down, shared_gate, shared_up, shared_down, shared_expert_gate)
+    what = f"(B, D) with 1 <= B <= {MAX_ROWS}"
+    e, i, d, i_s, norm_weight = check_moe(name, x, w, top_k, residual, norm_weight, 2, what)
+    if not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"{name}: x must be {what}, got {tuple(x.shape)}")
     if x.dtype != torch.bfloat16:
         raise TypeError(f"{name}: x must be bf16 (got {x.dtype}; other dtypes: moe_prefill)")
     if not all(mma_fits(w) for w in (gate, up, down)):
         raise ValueError(f"{name}: the experts must be 4-bit on 16-byte rows (else: moe_prefill)")
     if i_s and not all(mma_supports(w) for w in (shared_gate, shared_up, shared_down)):
         raise ValueError(f"{name}: the shared expert must be 4-bit on 16-byte rows")
-    if not 1 <= top_k <= e:
-        raise ValueError(f"{name}: top_k {top_k} must be in 1..{e}")
     b = x.shape[0]
-    if residual is not None and (tuple(residual.shape) != (b, d) or residual.device != x.device):
-        raise ValueError(f"{name}: residual must be ({b}, {d}) on {x.device}")
-    if norm_weight is not None:
-        norm_weight = check_norm(norm_weight, d, name, x.device)
     x = x.contiguous()
     residual = residual.contiguous() if residual is not None else None
     cfg = config or MoeDecodeConfig()
