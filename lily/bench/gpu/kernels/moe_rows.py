@@ -77,32 +77,33 @@ def distinct_experts(x: torch.Tensor, w: dict, nw: torch.Tensor) -> int:
 
 
 def worst_row(out: torch.Tensor, x: torch.Tensor, w: dict, nw: torch.Tensor) -> float:
-    """The largest relative error of a row against the reference MoE of that row alone."""
-    h = rms_norm(x, nw, EPS)
-    return max(rel(out[r], ref_moe(h[r], *w.values(), TOP_K, x[r])) for r in range(len(x)))
+    """The largest relative error of a row's MoE output (the residual x taken off) against
+    the reference MoE of that row alone."""
+    h, xf = rms_norm(x, nw, EPS), x.float()
+    return max(rel(out[r].float() - xf[r], ref_moe(h[r], *w.values(), TOP_K, x[r]) - xf[r])
+               for r in range(len(x)))  # fmt: skip
 
 
-def paths(b: int, variants: bool) -> dict:
-    """name -> (one layer's call (x, w, nw, next_nw) -> out, its config label)."""
-    out = {}
+def paths(b: int, variants: bool) -> list[tuple]:
+    """(op, config label, one layer's call (x, w, nw, next_nw) -> out) of each path."""
     rows = partial(moe_decode_rows, eps=EPS, pdl=True)
-    out["moe_decode_rows"] = (lambda x, w, nw, nn: rows(x, *w.values(), TOP_K, x,
-                                                      norm_weight=nw), "table")  # fmt: skip
+    out = [("moe_decode_rows", "table",
+            lambda x, w, nw, nn: rows(x, *w.values(), TOP_K, x, norm_weight=nw))]  # fmt: skip
     for cfg in VARIANTS if variants else []:
-        out[f"moe_decode_rows {cfg_str(cfg)}"] = (
-            lambda x, w, nw, nn, cfg=cfg: rows(x, *w.values(), TOP_K, x, norm_weight=nw,
-                                               config=cfg), cfg_str(cfg))  # fmt: skip
+        out.append(("moe_decode_rows", cfg_str(cfg),
+                    lambda x, w, nw, nn, cfg=cfg: rows(x, *w.values(), TOP_K, x,
+                                                       norm_weight=nw, config=cfg)))  # fmt: skip
     if b > 1:
-        out["rmsnorm+moe_prefill"] = (
-            lambda x, w, nw, nn: moe_prefill(rmsnorm(x, nw, EPS), *w.values(), top_k=TOP_K,
-                                             residual=x, norm_weight=nn, eps=EPS)[0],
-            "table")  # fmt: skip
+        out.append(("rmsnorm+moe_prefill", "table",
+                    lambda x, w, nw, nn: moe_prefill(rmsnorm(x, nw, EPS), *w.values(),
+                                                     top_k=TOP_K, residual=x, norm_weight=nn,
+                                                     eps=EPS)[0]))  # fmt: skip
 
     def one_by_one(x, w, nw, nn):
         return torch.stack([moe_decode(x[r], *w.values(), TOP_K, x[r], norm_weight=nw,
                                        eps=EPS, pdl=True) for r in range(len(x))])  # fmt: skip
 
-    out["moe_decode" if b == 1 else "moe_decode x B"] = (one_by_one, "table, pdl")
+    out.append(("moe_decode" if b == 1 else "moe_decode x B", "table, pdl", one_by_one))
     return out
 
 
@@ -145,26 +146,27 @@ def main() -> None:
         distinct = sum(got) / len(got)
         nbytes = layer_bytes(b, distinct, fixed, expert)
         floor_us = nbytes / ceil["copy_GBps"] / 1e3
-        by_path = {}
-        for name, (fn, label) in paths(b, args.variants).items():
-            base = {"op": name, "B": b, "config": label, "distinct": distinct,
+        before = len(results)
+        for op, label, fn in paths(b, args.variants):
+            base = {"op": op, "B": b, "config": label, "distinct": distinct,
                     "expected": round(expected_distinct(b), 1), "bytes": nbytes}  # fmt: skip
             attempt(results, base, partial(point, fn, layers, xs, nws, b, floor_us, nbytes))
-            by_path[name] = results[-1].get("time_us")
             print(json.dumps({k: v for k, v in results[-1].items() if k != "kernels_us"}),
                   flush=True)  # fmt: skip
-        base_us = by_path.get("rmsnorm+moe_prefill") or by_path.get("moe_decode")
-        for r in results:
-            if r["B"] == b and base_us and r.get("time_us"):
+        # against what the engine ran before: moe_prefill for several rows, moe_decode for one
+        old = ("rmsnorm+moe_prefill", "moe_decode")
+        base_us = next((r.get("time_us") for r in results[before:] if r["op"] in old), None)
+        for r in results[before:]:
+            if base_us and r.get("time_us"):
                 r["speedup_vs_previous"] = base_us / r["time_us"]
-    print(f"\n{'op':44} {'B':>3} {'distinct':>8} {'us/layer':>9} {'floor':>7} {'of floor':>8} "
-          f"{'vs prev':>7} {'rel_err':>8}")  # fmt: skip
+    print(f"\n{'op':20} {'config':24} {'B':>3} {'distinct':>8} {'us/layer':>9} {'floor':>7} "
+          f"{'of floor':>8} {'vs prev':>7} {'rel_err':>8}")  # fmt: skip
     for r in results:
         if "error" in r:
-            print(f"{r['op']:44} {r['B']:>3} error: {r['error']}")
+            print(f"{r['op']:20} {r['config']:24} {r['B']:>3} error: {r['error']}")
             continue
-        print(f"{r['op']:44} {r['B']:>3} {r['distinct']:>8.1f} {r['time_us']:>9.1f} "
-              f"{r['floor_us']:>7.1f} {r['fraction_of_floor']:>8.0%} "
+        print(f"{r['op']:20} {r['config']:24} {r['B']:>3} {r['distinct']:>8.1f} "
+              f"{r['time_us']:>9.1f} {r['floor_us']:>7.1f} {r['fraction_of_floor']:>8.0%} "
               f"{r.get('speedup_vs_previous', 0):>7.2f} {r['rel_err']:>8.1e}")  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
