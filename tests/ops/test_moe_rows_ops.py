@@ -206,11 +206,14 @@ def test_rows_checks_its_inputs():
 @pytest.mark.parametrize("b", [2, 8, 16])
 def test_rows_at_the_model_shapes(b):
     """D 2048, 256 experts, top 8, intermediate 512, shared 512, MLX 4-bit groups of 64,
-    8-bit routers, the post-attention norm fused, PDL: every row against its reference."""
-    gen = torch.Generator().manual_seed(b)
-    w = make_moe(256, 4, 64, True, seed=b, device="cuda", d=2048, i_e=512, i_s=512)
-    nw = (1.0 + 0.2 * torch.randn(2048, generator=gen)).bfloat16().cuda()
-    x = (2.0 * torch.randn(b, 2048, generator=gen)).bfloat16().cuda()
+    8-bit routers (the kernel benchmark's random weights, made on the GPU), the
+    post-attention norm fused, PDL: every row against its reference."""
+    from lily.bench.gpu.kernels.linear import moe_weights
+
+    gen = torch.Generator(device="cuda").manual_seed(b)
+    w = moe_weights(gen)
+    nw = (1.0 + 0.2 * torch.randn(2048, generator=gen, device="cuda")).bfloat16()
+    x = (2.0 * torch.randn(b, 2048, generator=gen, device="cuda")).bfloat16()
     y = moe_decode_rows(x, *w.values(), 8, x, norm_weight=nw, eps=EPS, pdl=True)
     assert max(check_rows(y, x, w, 8, nw, x)) < BOUND
 
