@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Any
 
 MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+# Requests one batched decode step may hold (lily/model/ops.py MAX_ROWS: the DeltaNet
+# step's scratch rows; the runner's rows sampler): ``lily serve --max-running`` at most.
+MAX_RUNNING = 16
 
 
 class ConfigError(ValueError):
@@ -253,6 +256,9 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"  # compute dtype for activations: float32 or bfloat16
     prefill_chunk: int = 8192
+    # Prefill tokens per step while other requests decode: their streams wait for each
+    # such chunk (lily/runtime/batch.py).
+    decode_prefill_chunk: int = 512
     max_context: int | None = 262144  # None: the largest the free memory allows
     load_mtp: bool = False
     quantize_on_load: bool = False  # bf16 HF checkpoints: pack to MLX 4-bit at load
@@ -263,3 +269,6 @@ class EngineConfig:
     # memory tiles, no PDL, no warpgroup MMA), to measure a fallback on an H200; None: the
     # device's own (lily/ops/arch.py).
     gpu_arch: str | None = None
+    # Requests decoded together at most (``lily serve --max-running``): the memory plan
+    # reserves the batched steps' buffers and the warm-up compiles them up to it.
+    max_running: int = 1

@@ -8,7 +8,7 @@ import argparse
 import os
 import sys
 
-from lily.config import EngineConfig
+from lily.config import MAX_RUNNING, EngineConfig
 from lily.ops.arch import ARCHS
 
 
@@ -19,6 +19,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--prefill-chunk", type=int, default=EngineConfig.prefill_chunk,
                    help="tokens per prefill chunk")  # fmt: skip
+    p.add_argument("--decode-prefill-chunk", type=int, default=EngineConfig.decode_prefill_chunk,
+                   help="prefill tokens per step while other requests decode (their "
+                   "streams pause for each chunk)")  # fmt: skip
     p.add_argument("--max-context", type=int, default=None,
                    help="context window in tokens (default: the largest the free memory "
                    "allows beside the weights, at most the model's own)")  # fmt: skip
@@ -50,16 +53,25 @@ def engine_config(args: argparse.Namespace):
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
     kernels = args.kernels == "on" or (args.kernels == "auto" and device.startswith("cuda"))
+    if getattr(args, "decode_prefill_chunk", 1) < 1:
+        raise ValueError("--decode-prefill-chunk: must be at least 1 token")
     arch = getattr(args, "gpu_arch", "auto")
     if arch != "auto" and arch not in ARCHS:  # from LILY_GPU_ARCH (argparse checked a flag)
         raise ValueError(f"LILY_GPU_ARCH: unknown GPU architecture {arch!r} "
                          f"(known: {', '.join(ARCHS)})")  # fmt: skip
+    max_running = getattr(args, "max_running", 1)  # (a flag of lily serve's)
+    if not 1 <= max_running <= MAX_RUNNING:
+        raise ValueError(f"--max-running: must be between 1 and {MAX_RUNNING} (the requests "
+                         f"one batched decode step holds), got {max_running}")  # fmt: skip
     if args.max_context is not None and args.max_context < 2:
         raise ValueError(f"--max-context: must be at least 2 tokens, got {args.max_context}")
     return EngineConfig(
         device=device,
         dtype=dtype,
         prefill_chunk=args.prefill_chunk,
+        decode_prefill_chunk=getattr(
+            args, "decode_prefill_chunk", EngineConfig.decode_prefill_chunk
+        ),  # fmt: skip
         max_context=args.max_context,
         load_mtp=args.load_mtp,
         quantize_on_load=args.quantize,
@@ -67,6 +79,7 @@ def engine_config(args: argparse.Namespace):
         prefix_cache_gb=getattr(args, "prefix_cache_gb", 1.0),
         prefix_cache_host_gb=getattr(args, "prefix_cache_host_gb", 0.0),
         gpu_arch=None if arch == "auto" else arch,
+        max_running=max_running,
     )
 
 

@@ -1,4 +1,5 @@
-"""Host values to the device without stalling the host."""
+"""Host values to the device without stalling the host, and the addresses of buffers that
+device tables name."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import array
 
 import torch
 
+TABLE_ALIGN = 16  # bytes: what a kernel assumes of a buffer it reads by address
 # array type codes of the same width as the torch dtype ("q": 8 bytes, "i": 4 bytes)
 _ARRAY_CODES = {torch.long: "q", torch.int32: "i"}
 
@@ -28,3 +30,14 @@ def to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> to
     if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def table_address(t: torch.Tensor, who: str) -> int:
+    """``t``'s address for a device table of buffers a kernel reads by address (a batched
+    step's caches and states). ``t`` must be contiguous and 16-byte aligned: the kernels
+    tell Triton so, as it assumes of a pointer argument, and vectorize their loads."""
+    if not (t.is_contiguous() and t.data_ptr() % TABLE_ALIGN == 0):
+        raise ValueError(f"{who}: a buffer named in a table must be contiguous and "
+                         f"{TABLE_ALIGN}-byte aligned, got shape {tuple(t.shape)} strides "
+                         f"{t.stride()} at {t.data_ptr():#x}")  # fmt: skip
+    return t.data_ptr()

@@ -18,6 +18,20 @@ from lily.transfer import to_device
 Tensor = torch.Tensor
 
 
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """B sequences decoded together, one token each: row r of a step is ``states[r]``'s
+    next token (each with its own KV caches, DeltaNet states and position)."""
+
+    states: Sequence
+    # With the kernels: per layer, the device table of the rows' buffers the batched
+    # mixer kernels read (lily/runtime/rows.py keeps them; None: one launch per row).
+    tables: dict | None = None
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+
 class Model:
     """The model over its weights, on the reference ops or the kernels.
 
@@ -84,12 +98,23 @@ class Model:
         the DeltaNet states after the first ``c`` tokens for ``c`` in ``cuts`` (offsets in
         (0, T)) as ``{c: {layer: (conv, recurrent)}}``. The caches must already hold
         start + T positions. ``step``: a decode step (one token; ``start`` may be a device
-        tensor, then ``max_len`` bounds it and stays fixed within a captured graph)."""
+        tensor, then ``max_len`` bounds it and stays fixed within a captured graph).
+
+        ``state`` may also be ``Rows``: a decode step of B sequences, ids (B,) one token
+        each, ``start`` their B positions (ints, or a (B,) int32 device tensor with the
+        kernels), ``max_len`` a bound on every row's context; no cuts."""
         k = self.step_ops if step else self.chunk_ops
         t = ids.shape[0]
-        if max_len is None:
-            max_len = start + t
-        start = self._position(start, t, k)
+        if isinstance(state, Rows):
+            if len(state) != t or cuts:
+                raise ValueError(f"a batched step takes one token per row and no cuts: "
+                                 f"{t} ids for {len(state)} rows")  # fmt: skip
+            if max_len is None:
+                max_len = max(start) + 1
+        else:
+            if max_len is None:
+                max_len = start + t
+            start = self._position(start, t, k)
         snaps: dict[int, dict] = {}
         layers = self.weights.layers
         last = len(layers) - 1
@@ -102,8 +127,11 @@ class Model:
 
     def forward(self, ids: Tensor, state, start: int | Tensor, max_len: int | None = None, *,
                 step: bool = False, cuts: Sequence[int] = ()) -> tuple[Tensor, dict]:  # fmt: skip
-        """Logits (V,) of the last of ids (T,), and the snapshots of ``run``."""
+        """Logits (V,) of the last of ids (T,), and the snapshots of ``run``; for ``Rows``
+        the logits (B, V) of every row."""
         x, snaps = self.run(ids, state, start, max_len, step=step, cuts=cuts)
+        if isinstance(state, Rows):
+            return self.head(x, step), snaps
         return self.head(x[-1:], step)[0], snaps
 
     def _position(self, start: int | Tensor, t: int, k: ops.Kernels | None) -> int | Tensor:
@@ -122,7 +150,9 @@ class Model:
         eps = cfg.rms_norm_eps
         mw = lw.mixer
         parts = ops.project(x, h, lw.input_norm, mw.proj, eps, k)
-        if isinstance(mw, DeltaNetWeights):
+        if isinstance(state, Rows):
+            o = self._mixer_rows(i, mw, parts, state, start, max_len, k)
+        elif isinstance(mw, DeltaNetWeights):
             st = state.deltanet[i]
             if cuts:
                 got: list = []
@@ -136,3 +166,14 @@ class Model:
             o = ops.attention(parts, mw, kv.k, kv.v, start, max_len, cfg, k)
         x, h = ops.out_norm(o, mw.out_proj, x, lw.post_norm, eps, k)
         return ops.moe(x, h, lw.post_norm, lw.moe, next_norm, cfg, k)
+
+    def _mixer_rows(self, i: int, mw, parts: tuple[Tensor, ...], rows: Rows, start,
+                    max_len: int, k: ops.Kernels | None) -> Tensor:  # fmt: skip
+        """Layer ``i``'s mixer for one token of each row, each on its own state."""
+        table = None if rows.tables is None else rows.tables[i]
+        if isinstance(mw, DeltaNetWeights):
+            sts = [s.deltanet[i] for s in rows.states]
+            return ops.deltanet_rows(parts, mw, [s.conv for s in sts], [s.recurrent for s in sts],
+                                     self.cfg.rms_norm_eps, k, table)  # fmt: skip
+        kvs = [(s.kv[i].k, s.kv[i].v) for s in rows.states]
+        return ops.attention_rows(parts, mw, kvs, start, max_len, self.cfg, k, table)

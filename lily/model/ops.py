@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lily.config import ModelConfig
+from lily.config import MAX_RUNNING, ModelConfig
 from lily.model.attention import attention_mixer
 from lily.model.bundles import AttentionWeights, DeltaNetWeights, Fused, MoEWeights
 from lily.model.deltanet import deltanet_mixer
@@ -35,13 +35,18 @@ Tensor = torch.Tensor
 # Triton is Linux-only: elsewhere the model runs its reference ops alone.
 HAS_KERNELS = importlib.util.find_spec("triton") is not None
 if HAS_KERNELS:
-    from lily.ops.attention_decode import attention_decode
+    from lily.ops.attention_decode import attention_decode, attention_decode_rows
     from lily.ops.attention_prefill import attention_prefill
-    from lily.ops.deltanet_decode import DeltaNetDecodeWorkspace, deltanet_decode
+    from lily.ops.deltanet_decode import (
+        DeltaNetDecodeWorkspace,
+        deltanet_decode,
+        deltanet_decode_rows,
+    )
     from lily.ops.deltanet_prefill import deltanet_prefill
     from lily.ops.embedding import DTYPES as EMBED_DTYPES
     from lily.ops.embedding import embedding_rows
     from lily.ops.moe_decode import moe_decode
+    from lily.ops.moe_decode_rows import moe_decode_rows, rows_fit
     from lily.ops.moe_prefill import moe_prefill
     from lily.ops.norm_rope import rope_inv_freq
     from lily.ops.qgemm import qgemm
@@ -51,16 +56,20 @@ if HAS_KERNELS:
     from lily.ops.rmsnorm import add_rmsnorm, rmsnorm
 
 
+MAX_ROWS = MAX_RUNNING  # sequences one batched decode step may hold (the DeltaNet scratch's rows)
+
+
 @dataclass(frozen=True, slots=True)
 class Kernels:
     """How the kernels run (see the module docstring) and what they share: the DeltaNet
-    step's workspace and the RoPE frequencies."""
+    step's workspaces (one sequence, and a batched step's rows) and the RoPE frequencies."""
 
     step: bool
     pdl: bool
     mma: bool
     workspace: DeltaNetDecodeWorkspace
     inv_freq: Tensor
+    rows_workspace: DeltaNetDecodeWorkspace
 
     @classmethod
     def new(cls, cfg: ModelConfig, device: torch.device, step: bool, pdl: bool,
@@ -68,10 +77,11 @@ class Kernels:
         """A dispatch with new shared buffers (one per model: the layers run in turn)."""
         if not HAS_KERNELS:
             raise ValueError("the kernel path needs Triton, which is not installed here")
-        workspace = DeltaNetDecodeWorkspace.new(cfg.linear_num_key_heads,
-                                                cfg.linear_num_value_heads,
-                                                cfg.linear_value_head_dim, device)  # fmt: skip
-        return cls(step, pdl, mma, workspace, rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, device))
+        heads = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
+        workspace = DeltaNetDecodeWorkspace.new(*heads, device)
+        rows = DeltaNetDecodeWorkspace.new(*heads, device, rows=MAX_ROWS)
+        inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, device)
+        return cls(step, pdl, mma, workspace, inv_freq, rows)
 
 
 # ---------------------------------------------------------------- linear layers
@@ -98,8 +108,11 @@ def linear(x: Tensor, w: Weight, k: Kernels | None, residual: Tensor | None = No
         return y if residual is None else y + residual
     if isinstance(w, QuantWeight):
         if x.shape[0] <= GEMV_ROWS:
-            gemv = qgemv_mma if k.mma and mma_supports(w) else qgemv
+            # (the tensor-core GEMV takes one row; a batched step's rows take qgemv)
+            gemv = qgemv_mma if k.mma and x.shape[0] == 1 and mma_supports(w) else qgemv
             return gemv(x, w, residual=residual, out_dtype=out_dtype, pdl=k.pdl, **prologue)
+        if prologue:  # (a batched decode step of more rows than the GEMV takes)
+            x = rmsnorm(x, prologue["norm_weight"], prologue["eps"])
         y = qgemm(x, w, out_dtype=out_dtype)
     else:
         if prologue:
@@ -152,7 +165,8 @@ def head(x: Tensor, norm_w: Tensor, w: Weight, eps: float, k: Kernels | None) ->
     """fp32 logits (T, V) of the final RMSNorm of x (T, D)."""
     if k is None:
         return ref_linear(rms_norm(x, norm_w, eps), w).float()
-    if k.step and isinstance(w, QuantWeight) and not (k.mma and mma_supports(w)):
+    if k.step and isinstance(w, QuantWeight) and not (k.mma and x.shape[0] == 1
+                                                      and mma_supports(w)):  # fmt: skip
         return linear(x, w, k, out_dtype=torch.float32, norm_weight=norm_w, eps=eps)
     # On the tensor cores the norm gets its own launch: in the GEMV's prologue each of
     # ~7,800 programs redid it (95 against 89 us).
@@ -179,6 +193,43 @@ def deltanet(parts: Sequence[Tensor], w: DeltaNetWeights, conv_state: Tensor, st
                             state, eps, cuts=cuts, snaps=snaps)  # fmt: skip
 
 
+def deltanet_rows(parts: Sequence[Tensor], w: DeltaNetWeights, conv_states: Sequence[Tensor],
+                  states: Sequence[Tensor], eps: float, k: Kernels | None,
+                  table: Tensor | None = None) -> Tensor:  # fmt: skip
+    """The DeltaNet mixer for one token of each of B sequences: row r of ``parts`` with
+    ``conv_states[r]`` and ``states[r]`` (each updated in place); (B, Hv*Vd). The maths of
+    ``deltanet`` for one token, per row. Kernels with ``table`` (``state_table`` of those
+    states, a device tensor a graph may keep): every row in one launch."""
+    if k is not None and table is not None and len(states) <= MAX_ROWS:
+        qkv, z, b, a = parts
+        return deltanet_decode_rows(qkv, z, b, a, w.conv1d, table, conv_states[0], states[0],
+                                    w.A_log, w.dt_bias, w.norm, eps,
+                                    workspace=k.rows_workspace, pdl=k.pdl)  # fmt: skip
+    rows = [tuple(p[r : r + 1] for p in parts) for r in range(len(states))]
+    return torch.cat([deltanet(p, w, c, s, eps, k)
+                      for p, c, s in zip(rows, conv_states, states, strict=True)])  # fmt: skip
+
+
+def attention_rows(parts: Sequence[Tensor], w: AttentionWeights,
+                   caches: Sequence[tuple[Tensor, Tensor]], starts: Sequence[int] | Tensor,
+                   max_len: int, cfg: ModelConfig, k: Kernels | None,
+                   table: Tensor | None = None) -> Tensor:  # fmt: skip
+    """Gated attention for one token of each of B sequences: row r of ``parts`` at position
+    ``starts[r]`` (ints, or a (B,) int32 device tensor in a decode step) over its own caches
+    ``caches[r]`` (K, V); (B, H*Dh). ``max_len`` bounds every row's context (a graph's).
+    Kernels with ``table`` (``kv_table`` of those caches): every row in one launch."""
+    if k is not None and table is not None:
+        qg, kk, v = parts
+        return attention_decode_rows(qg, kk, v, w.q_norm, w.k_norm, table, caches[0][0], starts,
+                                     k.inv_freq, cfg.rms_norm_eps, max_len=max_len)  # fmt: skip
+    out = []
+    for r, (kc, vc) in enumerate(caches):
+        p = tuple(x[r : r + 1] for x in parts)
+        pos = starts[r : r + 1] if isinstance(starts, Tensor) else starts[r]
+        out.append(attention(p, w, kc, vc, pos, max_len, cfg, k))
+    return torch.cat(out)
+
+
 def attention(parts: Sequence[Tensor], w: AttentionWeights, k_cache: Tensor, v_cache: Tensor,
               start: int | Tensor, max_len: int, cfg: ModelConfig,
               k: Kernels | None) -> Tensor:  # fmt: skip
@@ -201,9 +252,11 @@ def moe(x: Tensor, h: Tensor | None, norm_w: Tensor, m: MoEWeights, next_norm: T
     """``x + moe(h)`` with ``h = rmsnorm(x) * norm_w`` (``h`` when given), and with
     ``next_norm`` also its RMSNorm by that weight (the next layer's input) where the kernel
     makes it in its last launch (a prefill chunk), else None. Three launches for one row
-    (the norm in the first one's prologue when ``h`` is None), routing on the GPU. The MoE
-    kernels take packed experts; dense ones (an unquantized checkpoint) take the reference
-    (not graph-capturable: ``Model.capturable``)."""
+    (the norm in the first one's prologue when ``h`` is None), four for the rows of a
+    batched decode step (bf16, 4-bit experts: moe_decode_rows, each chosen expert read once
+    for all its rows; else moe_prefill), routing on the GPU. The MoE kernels take packed
+    experts; dense ones (an unquantized checkpoint) take the reference (not
+    graph-capturable: ``Model.capturable``)."""
     eps, top_k = cfg.rms_norm_eps, cfg.num_experts_per_tok
     w = (m.router, m.gate_proj, m.up_proj, m.down_proj, m.shared_gate_proj, m.shared_up_proj,
          m.shared_down_proj, m.shared_expert_gate)  # fmt: skip
@@ -219,6 +272,16 @@ def moe(x: Tensor, h: Tensor | None, norm_w: Tensor, m: MoEWeights, next_norm: T
         else:
             y = moe_decode(h[0], *w, top_k=top_k, residual=x[0])
         return y[None], None
+    if k.step and rows_fit(x, m.gate_proj, m.up_proj, m.down_proj, w[4:7]):
+        # A batched decode step: each chosen expert read once for the rows that chose it.
+        if h is None:
+            y = moe_decode_rows(x, *w, top_k=top_k, residual=x, norm_weight=norm_w, eps=eps,
+                                pdl=k.pdl)  # fmt: skip
+        else:
+            y = moe_decode_rows(h, *w, top_k=top_k, residual=x, pdl=k.pdl)
+        return y, None
+    if h is None:  # a decode step of several rows: no GEMV prologue made the norm
+        h = rmsnorm(x, norm_w, eps)
     if next_norm is None:
         return moe_prefill(h, *w, top_k=top_k, residual=x), None
     return moe_prefill(h, *w, top_k=top_k, residual=x, norm_weight=next_norm, eps=eps)

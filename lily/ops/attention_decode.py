@@ -24,6 +24,7 @@ import triton.language as tl
 from lily.ops.arch import DEFAULT, Arch, current_arch
 from lily.ops.launch import cdiv, check, launched, pow2
 from lily.ops.norm_rope import rms_rope_apply, rms_rope_load, sigmoid
+from lily.transfer import table_address
 
 Tensor = torch.Tensor
 
@@ -34,11 +35,25 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _attn_decode_kernel(
     qg, k, v, q_norm, k_norm, inv_freq, k_cache, v_cache, p_pos, out, o_part, lse_part, eps,
-    sm_scale, T_MAX, NB, split, H: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr,
-    R: tl.constexpr, GP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, IS_SPLIT: tl.constexpr,
+    sm_scale, T_MAX, NB, split, kv_tab, s_qg, s_k, s_v, H: tl.constexpr, HKV: tl.constexpr,
+    DH: tl.constexpr, R: tl.constexpr, GP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
+    IS_SPLIT: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     i_kvh, i_s = tl.program_id(0), tl.program_id(1)
     G: tl.constexpr = H // HKV
+    if ROWS:  # row i_b of a batch: its inputs, position and outputs, and its own cache
+        i_b = tl.program_id(2)
+        qg += i_b * s_qg
+        k += i_b * s_k
+        v += i_b * s_v
+        p_pos += i_b
+        out += i_b * (H * DH)
+        o_part += i_b * (HKV * NB * G * DH)
+        lse_part += i_b * (HKV * NB * G)
+        # (16-byte aligned, as Triton assumes of a pointer argument: vectorized loads)
+        k_cache = tl.multiple_of(tl.load(kv_tab + 3 * i_b).to(k_cache.dtype), 16)
+        v_cache = tl.multiple_of(tl.load(kv_tab + 3 * i_b + 1).to(v_cache.dtype), 16)
+        T_MAX = tl.load(kv_tab + 3 * i_b + 2).to(tl.int32)
     # NOTE: a position past the cache (a caller's bug) must not write out of bounds: clamp
     pos = tl.minimum(tl.load(p_pos).to(tl.int32), T_MAX - 1)
     L = pos + 1
@@ -113,14 +128,21 @@ def _attn_decode_kernel(
 @launched
 @triton.jit
 def _attn_combine_kernel(
-    qg, p_pos, o_part, lse_part, out, NB, split, H: tl.constexpr, HKV: tl.constexpr,
-    DH: tl.constexpr, BB: tl.constexpr, BDC: tl.constexpr,
+    qg, p_pos, o_part, lse_part, out, NB, split, s_qg, H: tl.constexpr, HKV: tl.constexpr,
+    DH: tl.constexpr, BB: tl.constexpr, BDC: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
-    # Grid (heads, Dh / BDC): each program merges BB blocks a step for BDC dims of a head,
-    # so at long contexts (hundreds of blocks) the merge is a few wide steps in many
+    # Grid (heads, Dh / BDC[, rows]): each program merges BB blocks a step for BDC dims of a
+    # head, so at long contexts (hundreds of blocks) the merge is a few wide steps in many
     # programs, not a long chain of dependent loads in a few.
     i_h, i_c = tl.program_id(0), tl.program_id(1)
     G: tl.constexpr = H // HKV
+    if ROWS:
+        i_b = tl.program_id(2)
+        qg += i_b * s_qg
+        p_pos += i_b
+        out += i_b * (H * DH)
+        o_part += i_b * (HKV * NB * G * DH)
+        lse_part += i_b * (HKV * NB * G)
     i_kvh, i_g = i_h // G, i_h % G
     # Capped at the blocks the main kernel had (a position past max_len must not send
     # the combine into another head's partials).
@@ -302,6 +324,10 @@ def attention_decode(
         t_max,
         nb,
         split,
+        pos,  # (kv_tab: unused)
+        0,
+        0,
+        0,
         H=h,
         HKV=hkv,
         DH=dh,
@@ -310,6 +336,7 @@ def attention_decode(
         BD=pow2(dh),
         BN=block_n,
         IS_SPLIT=split > 0,
+        ROWS=False,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -323,11 +350,108 @@ def attention_decode(
             out,
             nb,
             split,
+            0,
             H=h,
             HKV=hkv,
             DH=dh,
             BB=min(64, pow2(nb)),
             BDC=bdc,
+            ROWS=False,
             num_warps=4,
         )
+    return out
+
+
+def kv_table(caches: list[tuple[Tensor, Tensor]], device: torch.device | str) -> Tensor:
+    """The (B, 3) int64 table ``attention_decode_rows`` reads: per row its K cache's and V
+    cache's addresses and their capacity (rows of (Hkv, capacity, Dh))."""
+    rows = [[table_address(kc, "kv_table"), table_address(vc, "kv_table"), kc.shape[1]]
+            for kc, vc in caches]  # fmt: skip
+    return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+def attention_decode_rows(
+    qg: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_norm: Tensor,
+    k_norm: Tensor,
+    kv_tab: Tensor,
+    cache_like: Tensor,
+    pos: Tensor,
+    inv_freq: Tensor,
+    eps: float = 1e-6,
+    *,
+    max_len: int,
+    split_threshold: int = 256,
+    split: int | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> Tensor:
+    """``attention_decode`` for one token of each of B sequences in one launch: row b of qg
+    (B, H*2*Dh), k, v (B, Hkv*Dh) (rows may be strided, columns contiguous: views of a
+    fused projection) at position ``pos[b]`` over its own caches, named by ``kv_tab``
+    (``kv_table``: the caches may differ in capacity and live anywhere); ``cache_like`` a
+    tensor of the caches' dtype with their (Hkv, *, Dh) shape. ``max_len`` bounds every
+    row's pos+1 (the split grid: keep it fixed within a captured graph). Returns (B, H*Dh).
+    """
+    _check(cache_like.dim() == 3, f"cache_like must be (Hkv, *, Dh), got {tuple(cache_like.shape)}")
+    hkv, _, dh = cache_like.shape
+    _check(qg.dim() == 2 and qg.stride(1) == 1, f"qg must be (B, H*2*{dh}) with contiguous "
+           f"rows, got {tuple(qg.shape)} strides {qg.stride()}")  # fmt: skip
+    nrows = qg.shape[0]
+    _check(qg.shape[1] % (2 * dh) == 0, f"qg rows must be H*2*{dh} wide, got {qg.shape[1]}")
+    h = qg.shape[1] // (2 * dh)
+    _check(h % hkv == 0, f"{h} query heads do not group over {hkv} KV heads")
+    for name, x in (("k", k), ("v", v)):
+        _check(
+            x.shape == (nrows, hkv * dh) and x.stride(1) == 1,
+            f"{name} must be ({nrows}, {hkv * dh}) with contiguous rows, got {tuple(x.shape)}",
+        )
+    for name, x in (("q_norm", q_norm), ("k_norm", k_norm)):
+        _check(x.shape == (dh,), f"{name} must be ({dh},), got {tuple(x.shape)}")
+    _check(
+        kv_tab.shape == (nrows, 3) and kv_tab.dtype == torch.int64 and kv_tab.is_contiguous(),
+        f"kv_tab must be a contiguous ({nrows}, 3) int64 table, got {tuple(kv_tab.shape)} "
+        f"{kv_tab.dtype}",
+    )
+    _check(
+        pos.shape == (nrows,) and not pos.dtype.is_floating_point and pos.is_contiguous(),
+        f"pos must be ({nrows},) integers, got {tuple(pos.shape)} {pos.dtype}",
+    )
+    _check(
+        inv_freq.dim() == 1 and inv_freq.dtype == torch.float32 and 2 * inv_freq.numel() <= dh,
+        f"inv_freq must be fp32 (R/2,) with R <= {dh}, got {tuple(inv_freq.shape)}",
+    )
+    tensors = (qg, k, v, q_norm, k_norm, kv_tab, pos, inv_freq)
+    _check(all(x.device == qg.device for x in tensors), "all tensors must be on one device")
+    _check(max_len >= 1, f"max_len must be >= 1, got {max_len}")
+    # (the key tile as one sequence's: by the arch and the caches' element size)
+    split, block_n, nb = decode_plan(max_len, current_arch(qg.device), split_threshold, split,
+                                     block_n, cache_like.element_size())  # fmt: skip
+    _check(
+        split == 0 or split % block_n == 0,
+        f"split must be 0 or a multiple of block_n={block_n}, got {split}",
+    )
+    out = torch.empty(nrows, h * dh, dtype=qg.dtype, device=qg.device)
+    g = h // hkv
+    if split:
+        o_part = torch.empty(nrows, hkv, nb, g, dh, dtype=torch.float32, device=qg.device)
+        lse_part = torch.empty(nrows, hkv, nb, g, dtype=torch.float32, device=qg.device)
+    else:
+        o_part = lse_part = out  # unused
+    _attn_decode_kernel[(hkv, nb, nrows)](
+        qg, k, v, q_norm, k_norm, inv_freq, cache_like, cache_like, pos, out, o_part, lse_part,
+        eps, dh**-0.5 * LOG2E, max_len, nb, split, kv_tab, qg.stride(0), k.stride(0),
+        v.stride(0), H=h, HKV=hkv, DH=dh, R=2 * inv_freq.numel(), GP=max(16, pow2(g)),
+        BD=pow2(dh), BN=block_n, IS_SPLIT=split > 0, ROWS=True, num_warps=num_warps,
+        num_stages=num_stages,
+    )  # fmt: skip
+    if split:
+        bdc = min(64, pow2(dh))
+        _attn_combine_kernel[(h, cdiv(dh, bdc), nrows)](
+            qg, pos, o_part, lse_part, out, nb, split, qg.stride(0), H=h, HKV=hkv, DH=dh,
+            BB=min(64, pow2(nb)), BDC=bdc, ROWS=True, num_warps=4,
+        )  # fmt: skip
     return out

@@ -33,6 +33,7 @@ import triton.language as tl
 from lily.ops.launch import cdiv, check, launched, pdl_launch, pow2, use_pdl
 from lily.ops.norm_rope import gated_rmsnorm_rows, sigmoid, silu
 from lily.ops.qgemv import pdl_wait
+from lily.transfer import table_address
 
 Tensor = torch.Tensor
 
@@ -83,12 +84,25 @@ def deltanet_gates(b_b, b_a, b_alog, b_dtb):
 @triton.jit
 def _deltanet_decode_kernel(
     x, z, b, a, conv_w, conv_state, A_log, dt_bias, norm_w, state, out, o_buf, counters, q_scale,
-    eps, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, VD: tl.constexpr, W: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, BVD: tl.constexpr, WP: tl.constexpr, NV: tl.constexpr,
-    GP: tl.constexpr, PDL: tl.constexpr,
+    eps, st_tab, s_x, s_z, s_b, s_a, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+    VD: tl.constexpr, W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BVD: tl.constexpr,
+    WP: tl.constexpr, NV: tl.constexpr, GP: tl.constexpr, PDL: tl.constexpr,
+    ROWS: tl.constexpr,
 ):  # fmt: skip
     i_v, i_h = tl.program_id(0), tl.program_id(1)
     G: tl.constexpr = HV // HK
+    if ROWS:  # row i_r of a batch: its inputs and outputs, its own states and scratch
+        i_r = tl.program_id(2)
+        x += i_r * s_x
+        z += i_r * s_z
+        b += i_r * s_b
+        a += i_r * s_a
+        out += i_r * (HV * VD)
+        o_buf += i_r * (HV * VD)
+        counters += i_r * HK
+        # (16-byte aligned, as Triton assumes of a pointer argument: vectorized loads)
+        conv_state = tl.multiple_of(tl.load(st_tab + 2 * i_r).to(conv_state.dtype), 16)
+        state = tl.multiple_of(tl.load(st_tab + 2 * i_r + 1).to(state.dtype), 16)
     C: tl.constexpr = 2 * HK * K + HV * VD
     i_kh = i_h // G
     o_k = tl.arange(0, BK)
@@ -183,16 +197,55 @@ class DeltaNetDecodeWorkspace:
 
     @classmethod
     def new(
-        cls, num_k_heads: int, num_v_heads: int, v_dim: int, device: torch.device | str
+        cls,
+        num_k_heads: int,
+        num_v_heads: int,
+        v_dim: int,
+        device: torch.device | str,
+        rows: int = 1,
     ) -> DeltaNetDecodeWorkspace:
+        """Scratch for ``rows`` sequences at once (``deltanet_decode_rows``)."""
         return cls(
-            torch.zeros(num_k_heads, dtype=torch.int32, device=device),
-            torch.empty(num_v_heads * v_dim, dtype=torch.float32, device=device),
+            torch.zeros(rows * num_k_heads, dtype=torch.int32, device=device),
+            torch.empty(rows * num_v_heads * v_dim, dtype=torch.float32, device=device),
         )
 
 
 def _check(cond: bool, msg) -> None:
     check(cond, "deltanet_decode", msg)
+
+
+def _layer_shapes(conv_state: Tensor, state: Tensor) -> tuple[int, int, int, int, int, int]:
+    """(Hv, K, Vd, C, W, Hk) of a layer's conv and recurrent states, checked."""
+    _check(
+        state.dim() == 3 and state.dtype == torch.float32 and state.is_contiguous(),
+        f"state must be a contiguous fp32 (Hv, K, Vd) tensor, got {tuple(state.shape)} "
+        f"{state.dtype}",
+    )
+    hv, kd, vd = state.shape
+    _check(
+        conv_state.dim() == 2 and conv_state.is_contiguous(),
+        f"conv_state must be a contiguous (W-1, C) tensor, got {tuple(conv_state.shape)}",
+    )
+    c = conv_state.shape[1]
+    width = conv_state.shape[0] + 1
+    hk = (c - hv * vd) // (2 * kd)
+    _check(
+        hk > 0 and 2 * hk * kd + hv * vd == c and hv % hk == 0,
+        f"conv width C={c} is not 2*Hk*K + Hv*Vd with K={kd}, Hv={hv}, Vd={vd}",
+    )
+    return hv, kd, vd, c, width, hk
+
+
+def _check_weights(conv_weight: Tensor, A_log: Tensor, dt_bias: Tensor, norm_weight: Tensor,
+                   c: int, width: int, hv: int, vd: int) -> None:  # fmt: skip
+    _check(
+        conv_weight.shape == (c, width) and conv_weight.is_contiguous(),
+        f"conv_weight must be contiguous ({c}, {width}), got {tuple(conv_weight.shape)}",
+    )
+    for name, t, n in (("A_log", A_log, hv), ("dt_bias", dt_bias, hv),
+                       ("norm_weight", norm_weight, vd)):  # fmt: skip
+        _check(t.shape == (n,), f"{name} must be ({n},), got {tuple(t.shape)}")
 
 
 def deltanet_decode(
@@ -223,23 +276,7 @@ def deltanet_decode(
     while the previous kernel (the input projection) finishes; the previous kernel must
     wait for its own predecessor before it lets this one launch (every PDL kernel here does).
     """
-    _check(
-        state.dim() == 3 and state.dtype == torch.float32 and state.is_contiguous(),
-        f"state must be a contiguous fp32 (Hv, K, Vd) tensor, got {tuple(state.shape)} "
-        f"{state.dtype}",
-    )
-    hv, kd, vd = state.shape
-    _check(
-        conv_state.dim() == 2 and conv_state.is_contiguous(),
-        f"conv_state must be a contiguous (W-1, C) tensor, got {tuple(conv_state.shape)}",
-    )
-    c = conv_state.shape[1]
-    width = conv_state.shape[0] + 1
-    hk = (c - hv * vd) // (2 * kd)
-    _check(
-        hk > 0 and 2 * hk * kd + hv * vd == c and hv % hk == 0,
-        f"conv width C={c} is not 2*Hk*K + Hv*Vd with K={kd}, Hv={hv}, Vd={vd}",
-    )
+    hv, kd, vd, c, width, hk = _layer_shapes(conv_state, state)
     lead = mixed_qkv.shape[:-1]
     _check(lead in ((), (1,)), f"one token expected, mixed_qkv has shape {tuple(mixed_qkv.shape)}")
     for name, t, n in (("mixed_qkv", mixed_qkv, c), ("z", z, hv * vd), ("b", b, hv), ("a", a, hv)):
@@ -247,16 +284,7 @@ def deltanet_decode(
             t.shape[-1] == n and t.numel() == n and t.is_contiguous(),
             f"{name} must be contiguous with {n} values, got {tuple(t.shape)}",
         )
-    _check(
-        conv_weight.shape == (c, width) and conv_weight.is_contiguous(),
-        f"conv_weight must be contiguous ({c}, {width}), got {tuple(conv_weight.shape)}",
-    )
-    for name, t, n in (
-        ("A_log", A_log, hv),
-        ("dt_bias", dt_bias, hv),
-        ("norm_weight", norm_weight, vd),
-    ):
-        _check(t.shape == (n,), f"{name} must be ({n},), got {tuple(t.shape)}")
+    _check_weights(conv_weight, A_log, dt_bias, norm_weight, c, width, hv, vd)
     tensors = (mixed_qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, norm_weight, state)
     _check(all(t.device == state.device for t in tensors), "all tensors must be on one device")
 
@@ -286,6 +314,11 @@ def deltanet_decode(
         workspace.counters,
         kd**-0.5,
         eps,
+        state,  # (st_tab and the row strides: unused)
+        0,
+        0,
+        0,
+        0,
         HK=hk,
         HV=hv,
         K=kd,
@@ -298,7 +331,76 @@ def deltanet_decode(
         NV=nv,
         GP=pow2(hv // hk),
         PDL=pdl,
+        ROWS=False,
         num_warps=num_warps,
         **pdl_launch(pdl),
     )
+    return out
+
+
+def state_table(states: list[tuple[Tensor, Tensor]], device: torch.device | str) -> Tensor:
+    """The (B, 2) int64 table ``deltanet_decode_rows`` reads: per row its conv state's and
+    recurrent state's addresses."""
+    rows = [[table_address(c, "state_table"), table_address(s, "state_table")]
+            for c, s in states]  # fmt: skip
+    return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+def deltanet_decode_rows(
+    mixed_qkv: Tensor,
+    z: Tensor,
+    b: Tensor,
+    a: Tensor,
+    conv_weight: Tensor,
+    st_tab: Tensor,
+    conv_like: Tensor,
+    state_like: Tensor,
+    A_log: Tensor,
+    dt_bias: Tensor,
+    norm_weight: Tensor,
+    eps: float = 1e-6,
+    *,
+    workspace: DeltaNetDecodeWorkspace | None = None,
+    block_v: int = 16,
+    num_warps: int = 4,
+    pdl: bool = False,
+) -> Tensor:
+    """``deltanet_decode`` for one token of each of B sequences in one launch: row r of
+    mixed_qkv (B, C), z (B, Hv*Vd), b, a (B, Hv) (rows may be strided, columns contiguous:
+    views of a fused projection) with its own conv and recurrent states, named by
+    ``st_tab`` (``state_table``), each updated in place; ``conv_like`` and ``state_like``
+    tensors of their dtypes and shapes. ``workspace`` must hold B rows. Returns
+    (B, Hv*Vd)."""
+    hv, kd, vd, c, width, hk = _layer_shapes(conv_like, state_like)
+    nrows = mixed_qkv.shape[0]
+    for name, t, n in (("mixed_qkv", mixed_qkv, c), ("z", z, hv * vd), ("b", b, hv), ("a", a, hv)):
+        _check(
+            t.shape == (nrows, n) and t.stride(1) == 1,
+            f"{name} must be ({nrows}, {n}) with contiguous rows, got {tuple(t.shape)}",
+        )
+    _check(
+        st_tab.shape == (nrows, 2) and st_tab.dtype == torch.int64 and st_tab.is_contiguous(),
+        f"st_tab must be a contiguous ({nrows}, 2) int64 table, got {tuple(st_tab.shape)}",
+    )
+    _check_weights(conv_weight, A_log, dt_bias, norm_weight, c, width, hv, vd)
+    dev = mixed_qkv.device
+    tensors = (mixed_qkv, z, b, a, conv_weight, st_tab, A_log, dt_bias, norm_weight)
+    _check(all(t.device == dev for t in tensors), "all tensors must be on one device")
+    bv = min(pow2(block_v), pow2(vd))
+    nv = cdiv(vd, bv)
+    if workspace is None:
+        workspace = DeltaNetDecodeWorkspace.new(hk, hv, vd, dev, rows=nrows)
+    _check(
+        workspace.counters.numel() >= nrows * hk and workspace.o_buf.numel() >= nrows * hv * vd,
+        f"workspace too small for {nrows} rows",
+    )
+    out = torch.empty(nrows, hv * vd, dtype=mixed_qkv.dtype, device=dev)
+    pdl = use_pdl(pdl, dev)
+    _deltanet_decode_kernel[(nv, hv, nrows)](
+        mixed_qkv, z, b, a, conv_weight, conv_like, A_log, dt_bias, norm_weight, state_like,
+        out, workspace.o_buf, workspace.counters, kd**-0.5, eps, st_tab, mixed_qkv.stride(0),
+        z.stride(0), b.stride(0), a.stride(0), HK=hk, HV=hv, K=kd, VD=vd, W=width,
+        BK=pow2(kd), BV=bv, BVD=pow2(vd), WP=pow2(max(width - 1, 1)), NV=nv,
+        GP=pow2(hv // hk), PDL=pdl, ROWS=True, num_warps=num_warps, **pdl_launch(pdl),
+    )  # fmt: skip
     return out

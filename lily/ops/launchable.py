@@ -2,15 +2,15 @@
 variant and GPU architecture, as the compile matrix compiles them (lily/ops/matrix.py).
 
 The launches are not restated here: the engine's runner (lily/runtime/runner.py) runs the
-model on the kernels (lily/model/ops.py's dispatch, prefill chunks and decode steps) on
-meta tensors under ``record_launches`` (nothing is allocated or run), so every op, flag and
-constexpr is the one the engine passes. What this module owns is the inputs that reach
-every entry of every tile table: the prefill lengths (``prefill_lengths``: the tables
-scanned over all chunk lengths, the first length of each choice kept), the decode context
-lengths
-(``decode_lengths``: the attention launch plan scanned over all context lengths), the
-prefix-cache cut inside a chunk, and the launches a meta run cannot reach (the flash
-attention's key split, picked from the SM count of a real GPU).
+model on the kernels (lily/model/ops.py's dispatch: prefill chunks, decode steps of one
+sequence, batched decode steps of 2 to ``MAX_ROWS`` sequences) on meta tensors under
+``record_launches`` (nothing is allocated or run), so every op, flag and constexpr is the
+one the engine passes. What this module owns is the inputs that reach every entry of every
+tile table: the prefill lengths (``prefill_lengths``: the tables scanned over all chunk
+lengths, the first length of each choice kept), the decode context lengths
+(``decode_lengths``: the attention launch plan scanned over all context lengths), the batch
+sizes, the prefix-cache cut inside a chunk, and the launches a meta run cannot reach (the
+flash attention's key split, picked from the SM count of a real GPU).
 """
 
 from __future__ import annotations
@@ -145,6 +145,32 @@ def _flash_split(cfg: ModelConfig, dtype: torch.dtype) -> None:
     attention_prefill(qg, k, v, *norms, *cache, 3000, inv, split=2)
 
 
+def _rows(cfg: ModelConfig, dtype: torch.dtype, runner, arch: Arch, note) -> None:
+    """Batched decode steps (``Runner.decode_rows``, continuous batching): two rows at every
+    decode context length (the attention launch plan is the bound's, the longest row's),
+    then every batch size up to ``MAX_ROWS`` (the GEMVs, the MoE and the head take the
+    rows at once; their tiles depend on the row count, not the context)."""
+    from lily.model.ops import MAX_ROWS
+
+    def states(b: int, n: int) -> list:
+        out = []
+        for r in range(b):  # row 0 at context n, the others shorter (capacity n each)
+            s = _state(cfg, dtype, capacity=n)
+            s.length = (n - 1) * (b - r) // b
+            out.append(s)
+        return out
+
+    lengths = decode_lengths(arch, min(MAX_CONTEXT, cfg.max_position_embeddings))
+    for n in lengths:
+        with record_launches() as rec:
+            runner.decode_rows([0, 0], states(2, n))
+        note(f"decode rows B=2 context {n}", rec)
+    for b in range(3, MAX_ROWS + 1):
+        with record_launches() as rec:
+            runner.decode_rows([0] * b, states(b, lengths[-1]))
+        note(f"decode rows B={b} context {lengths[-1]}", rec)
+
+
 @functools.lru_cache(maxsize=32)
 def launches(v: Variant, arch: Arch) -> dict[Launch, list[str]]:
     """Every launch the engine makes for ``v`` on ``arch``, with where it came from
@@ -175,6 +201,7 @@ def launches(v: Variant, arch: Arch) -> dict[Launch, list[str]]:
             with record_launches() as rec:
                 runner.decode(0, state)
             note(f"decode context {n}", rec)
+        _rows(cfg, dtype, runner, arch, note)
         with record_launches() as rec:
             _flash_split(cfg, dtype)
         note("prefill, split keys", rec)

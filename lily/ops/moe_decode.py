@@ -344,6 +344,30 @@ def check_shared(
     return i_s
 
 
+def check_moe(name: str, x: Tensor, weights: tuple, top_k: int, residual: Tensor | None,
+              norm_weight: Tensor | None, dims: int, what: str) -> tuple:  # fmt: skip
+    """The checks every MoE launcher makes, with clear errors: the experts' (``weights``:
+    router, gate, up, down, shared gate, up, down, shared_expert_gate), the router's and
+    the shared expert's shapes, x (``dims`` dims, ``what`` names the form), top_k, the
+    residual (x's shape) and the norm weight. Returns (E, I, D, I_s, the norm weight)."""
+    router, gate, up, down, *shared = weights
+    e, i, d = check_moe_weights(gate, up, down, name)
+    check_weight(router, f"{name}: router", 2)
+    if tuple(router.shape) != (e, d):
+        raise ValueError(f"{name}: router {router.shape} must be (E, D) = ({e}, {d})")
+    i_s = check_shared(*shared, gate, d, name)
+    check_x(x, d, name, gate.device)
+    if x.dim() != dims:
+        raise ValueError(f"{name}: x must be {what}, got {tuple(x.shape)}")
+    if not 1 <= top_k <= e:
+        raise ValueError(f"{name}: top_k {top_k} must be in 1..{e}")
+    if residual is not None and (residual.shape != x.shape or residual.device != x.device):
+        raise ValueError(f"{name}: residual must be {tuple(x.shape)} on {x.device}")
+    if norm_weight is not None:
+        norm_weight = check_norm(norm_weight, d, name, x.device)
+    return e, i, d, i_s, norm_weight
+
+
 def _whole(k: int, group_size: int) -> int:
     return pow2(k // group_size)  # BLOCK_G covering all of K in one step
 
@@ -375,21 +399,9 @@ def moe_decode(
     QuantWeight (or all four shared parts None). ``pdl``: launch the three kernels with
     programmatic dependent launch (Hopper and newer; ignored elsewhere; see lily.ops.qgemv).
     """
-    name = "moe_decode"
-    e, i, d = check_moe_weights(gate, up, down, name)
-    check_weight(router, f"{name}: router", 2)
-    if tuple(router.shape) != (e, d):
-        raise ValueError(f"{name}: router {router.shape} must be (E, D) = ({e}, {d})")
-    i_s = check_shared(shared_gate, shared_up, shared_down, shared_expert_gate, gate, d, name)
-    check_x(x, d, name, gate.device)
-    if x.dim() != 1:
-        raise ValueError(f"{name}: x must be one token (D,), got {tuple(x.shape)}")
-    if not 1 <= top_k <= e:
-        raise ValueError(f"{name}: top_k {top_k} must be in 1..{e}")
-    if residual is not None and (tuple(residual.shape) != (d,) or residual.device != x.device):
-        raise ValueError(f"{name}: residual must be ({d},) on {x.device}")
-    if norm_weight is not None:
-        norm_weight = check_norm(norm_weight, d, name, x.device)
+    w = (router, gate, up, down, shared_gate, shared_up, shared_down, shared_expert_gate)
+    e, i, d, i_s, norm_weight = check_moe("moe_decode", x, w, top_k, residual, norm_weight, 1,
+                                          "one token (D,)")  # fmt: skip
     x = x.contiguous()
     residual = residual.contiguous() if residual is not None else None
     cfg = config or MoeDecodeConfig()

@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 
 from lily.ops.arch import DEFAULT, Arch, current_arch
-from lily.ops.launch import cdiv, check_weight, check_x, launched, mask_lo, pow2
-from lily.ops.moe_decode import check_moe_weights, check_shared
+from lily.ops.launch import cdiv, launched, mask_lo, pow2
+from lily.ops.moe_decode import check_moe
 from lily.ops.moe_decode_parts import topk_rows
 from lily.ops.qgemm import (
     GemmConfig,
@@ -42,7 +42,7 @@ from lily.ops.qgemm import (
     load_dequant,
     mma,
 )
-from lily.ops.rmsnorm import cast_to, check_norm, rms_row, to_bf16
+from lily.ops.rmsnorm import cast_to, rms_row, to_bf16
 from lily.quant import QuantWeight
 
 Tensor = torch.Tensor
@@ -359,21 +359,9 @@ def moe_prefill(
     host of a reused turn 40-90 us).
     """
     name = "moe_prefill"
-    e, i, d = check_moe_weights(gate, up, down, name)
-    check_weight(router, f"{name}: router", 2)
-    if tuple(router.shape) != (e, d):
-        raise ValueError(f"{name}: router {router.shape} must be (E, D) = ({e}, {d})")
-    i_s = check_shared(shared_gate, shared_up, shared_down, shared_expert_gate, gate, d, name)
-    check_x(x, d, name, gate.device)
-    if x.dim() != 2:
-        raise ValueError(f"{name}: x must be (T, D), got {tuple(x.shape)}")
-    if not 1 <= top_k <= e:
-        raise ValueError(f"{name}: top_k {top_k} must be in 1..{e}")
+    w = (router, gate, up, down, shared_gate, shared_up, shared_down, shared_expert_gate)
+    e, i, d, i_s, norm_weight = check_moe(name, x, w, top_k, residual, norm_weight, 2, "(T, D)")
     t = x.shape[0]
-    if residual is not None and (tuple(residual.shape) != (t, d) or residual.device != x.device):
-        raise ValueError(f"{name}: residual must be ({t}, {d}) on {x.device}")
-    if norm_weight is not None:
-        norm_weight = check_norm(norm_weight, d, name, x.device)
     if t == 0:
         out = torch.empty_like(x)
         return out if norm_weight is None else (out, torch.empty_like(x))

@@ -336,7 +336,10 @@ def gemv_config(n: int, k: int, t: int, bits: int, group_size: int) -> GemvConfi
     (routers, the lone k/v projections): split K so that more SMs take part.
     """
     n_groups = k // group_size
-    if n >= 65536:  # lm_head: many row blocks, loop over K with a big tile
+    if n >= 65536 and t == 1:  # lm_head: many row blocks, loop over K with a big tile
+        # NOTE: one row only: with 2-8 (a batched decode step's head) its codes times the
+        # rows spilled 464-1,376 B a thread on every arch (compile matrix); the few-row
+        # tile below fits.
         return GemvConfig(64, min(pow2(n_groups), max(1, 512 // group_size)))
     if t == 1:
         block_n = 16 if n >= 8192 else 8 if n >= 4096 else 4

@@ -81,6 +81,9 @@ def _as_term(t, ON_CPU: tl.constexpr):
     return t.to(tl.bfloat16)
 
 
+as_term = _as_term  # its public name for other modules' kernels
+
+
 @triton.jit
 def mma_tile(
     p_qw, p_s, p_b, p_ids, row0, N, stride_qn, stride_sn, stride_we, stride_se,
@@ -219,20 +222,28 @@ def mma_x(b_xn, G: tl.constexpr, GROUP: tl.constexpr, W: tl.constexpr, TERMS: tl
 
 
 @triton.jit
-def mma_dot(b_w, b_s, b_b, b_xb, b_xs, pair_mask, G: tl.constexpr, BLOCK_N: tl.constexpr,
-            W: tl.constexpr, TERMS: tl.constexpr, ON_CPU: tl.constexpr):  # fmt: skip
-    """fp32 (BLOCK_N,) = the tile's rows times x, from ``mma_tile``'s and ``mma_x``'s
-    results."""
-    GROUP: tl.constexpr = b_xb.shape[1]
-    GH: tl.constexpr = G // W
-    # Codes -> bf16 128 + q: pair m of a word holds codes m (low half) and m + 4 (high half).
+def mma_codes(b_w, pair_mask, G: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+              ON_CPU: tl.constexpr):  # fmt: skip
+    """``mma_tile``'s words -> the MMA's A operand (G, BLOCK_N, GROUP): bf16 ``128 + q`` of
+    every code, in the K order ``mma_x`` gives x (one LOP3 a pair of codes)."""
+    # Pair m of a word holds codes m (low half) and m + 4 (high half).
     e0 = _bf16_pairs((b_w & pair_mask) | 0x43004300, ON_CPU)
     e1 = _bf16_pairs(((b_w >> 4) & pair_mask) | 0x43004300, ON_CPU)
     e2 = _bf16_pairs(((b_w >> 8) & pair_mask) | 0x43004300, ON_CPU)
     e3 = _bf16_pairs(((b_w >> 12) & pair_mask) | 0x43004300, ON_CPU)
     b_a = tl.join(tl.join(e0, e1), tl.join(e2, e3))
     # (G, BN, c, v, e, m0, m1) -> (G, BN, v, m1, c, m0, e): K order as in mma_x
-    b_a = tl.reshape(tl.permute(b_a, (0, 1, 3, 6, 2, 5, 4)), (G, BLOCK_N, GROUP))
+    return tl.reshape(tl.permute(b_a, (0, 1, 3, 6, 2, 5, 4)), (G, BLOCK_N, GROUP))
+
+
+@triton.jit
+def mma_dot(b_w, b_s, b_b, b_xb, b_xs, pair_mask, G: tl.constexpr, BLOCK_N: tl.constexpr,
+            W: tl.constexpr, TERMS: tl.constexpr, ON_CPU: tl.constexpr):  # fmt: skip
+    """fp32 (BLOCK_N,) = the tile's rows times x, from ``mma_tile``'s and ``mma_x``'s
+    results."""
+    GROUP: tl.constexpr = b_xb.shape[1]
+    GH: tl.constexpr = G // W
+    b_a = mma_codes(b_w, pair_mask, G, BLOCK_N, GROUP, ON_CPU)
     b_d = tl.dot(b_a, b_xb, input_precision="ieee")  # (G, BLOCK_N, 8) fp32
 
     # Lane c holds columns 2c, 2c + 1: the same D in every lane (one term), (hi, lo) (two),

@@ -74,6 +74,7 @@ def architecture_report(engine) -> dict:
         "max_context": plan.max_context,
         "context_auto": plan.auto,
         "prefill_chunk": plan.chunk,
+        "max_running": plan.max_running,
         "memory_plan": plan.parts(),
         "kv_bytes_per_token": plan.kv_per_token,
         "free_beyond_weights": plan.free,
@@ -115,9 +116,12 @@ def format_report(rep: dict) -> list[str]:
         ("DeltaNet states", mem["deltanet_states"], "working state and one copy"),
         ("scratch", mem["scratch"], f"prefill chunks of {rep['prefill_chunk']} tokens"),
         ("CUDA graphs", mem["graphs"], ""),
+        ("batched steps", mem.get("batched_steps", 0),
+         f"up to {rep.get('max_running', 1)} requests together (--max-running)"),
         ("prefix cache", mem["prefix_cache"], "--prefix-cache-gb"),
         ("margin", mem["margin"], "allocator, workspaces"),
     ]  # fmt: skip
+    rows = [r for r in rows if r[0] != "batched steps" or r[1]]  # (none for one at a time)
     lines.append("memory plan:")
     lines += [f"  {name:<16}{_bytes(n)}" + (f"  ({why})" if why else "")
               for name, n, why in rows]  # fmt: skip

@@ -47,6 +47,16 @@ class DeviceDecode:
             self.draw(logits)
             self.send()
 
+    def resume(self, params: SamplingParams, prompt_ids: Sequence[int],
+               generated: Sequence[int]) -> None:  # fmt: skip
+        """Load a request that already drew ``generated`` elsewhere (a batch), its last
+        token not consumed yet: that token becomes the next step's input and the draws go
+        on at number ``len(generated)``."""
+        with torch.inference_mode():
+            self.sampler.load(params, prompt_ids, generated)
+            self.tok.fill_(generated[-1])
+            self.sent = len(generated)
+
     def draw(self, logits: torch.Tensor) -> None:
         """Graph-safe: the next id into the ring and (kept a valid id) into ``tok``."""
         self.sampler.sample_into(logits, self.tok)

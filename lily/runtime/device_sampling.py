@@ -28,12 +28,12 @@ from lily.runtime.sampling import (
     penalize,
 )
 
-_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment (the golden ratio in 64 bits)
+GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment (the golden ratio in 64 bits)
 _MUL1 = 0xBF58476D1CE4E5B9
 _MUL2 = 0x94D049BB133111EB
 
 
-def _i64(c: int) -> int:
+def as_i64(c: int) -> int:
     """The int64 with the same 64 bits as ``c`` (torch has no uint64 arithmetic)."""
     c %= 1 << 64
     return c - (1 << 64) if c >= 1 << 63 else c
@@ -46,8 +46,8 @@ def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
 
 def mix64(z: torch.Tensor) -> torch.Tensor:
     """splitmix64's finalizer on int64 tensors (multiplications wrap like uint64's)."""
-    z = (z ^ _shr(z, 30)) * _i64(_MUL1)
-    z = (z ^ _shr(z, 27)) * _i64(_MUL2)
+    z = (z ^ _shr(z, 30)) * as_i64(_MUL1)
+    z = (z ^ _shr(z, 27)) * as_i64(_MUL2)
     return z ^ _shr(z, 31)
 
 
@@ -58,8 +58,13 @@ def uniforms(seed: torch.Tensor, step: torch.Tensor, lanes: torch.Tensor) -> tor
     The draw's base is the splitmix output number ``step + 1`` of ``seed``; each token
     then takes output ``i + 1`` of a second splitmix stream started at that base.
     """
-    base = mix64(seed + (step + 1) * _i64(_GAMMA))
+    base = mix64(seed + (step + 1) * as_i64(GAMMA))
     return to_unit(mix64(base + lanes))
+
+
+def token_lanes(vocab_size: int, device: torch.device) -> torch.Tensor:
+    """``(arange(V) + 1) * GAMMA`` (wrapped): each token index's splitmix state."""
+    return torch.arange(1, vocab_size + 1, dtype=torch.long, device=device) * as_i64(GAMMA)
 
 
 def to_unit(z: torch.Tensor) -> torch.Tensor:
@@ -115,8 +120,7 @@ class DeviceSampler:
         self.step = scalar(torch.long)  # draws made for this request
         self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=dev)
         self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=dev)
-        lanes = torch.arange(1, vocab_size + 1, dtype=torch.long, device=dev)
-        self.lanes = lanes * _i64(_GAMMA)
+        self.lanes = token_lanes(vocab_size, dev)
         self.structure = Structure(True, False, False, False, False)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -129,8 +133,11 @@ class DeviceSampler:
         """The tensors' addresses (a graph's key: they must not have moved)."""
         return tuple(t.data_ptr() for t in self.tensors())
 
-    def load(self, params: SamplingParams, prompt_ids: Sequence[int]) -> None:
-        """Start a request: its values into the tensors, the prompt marked as seen."""
+    def load(self, params: SamplingParams, prompt_ids: Sequence[int],
+             generated: Sequence[int] = ()) -> None:  # fmt: skip
+        """Start a request: its values into the tensors, the prompt marked as seen.
+        ``generated``: tokens the request already drew (with this seed): the penalties count
+        them and the next draw is number ``len(generated)`` of the random stream."""
         params.validate()
         s = self.structure = Structure.of(params, self.vocab_size)
         self.temperature.fill_(params.temperature)
@@ -142,12 +149,18 @@ class DeviceSampler:
         self.presence.fill_(params.presence_penalty)
         self.frequency.fill_(params.frequency_penalty)
         seed = params.seed if params.seed is not None else secrets.randbits(64)
-        self.seed.fill_(_i64(seed))
+        self.seed.fill_(as_i64(seed))
         self.step.zero_()
         self.seen.zero_()
         self.counts.zero_()
         if s.penalties:
             mark_seen(self.seen, prompt_ids)
+        if generated:
+            ids = torch.as_tensor(list(generated), dtype=torch.long, device=self.device)
+            if s.penalties:
+                mark_seen(self.seen, generated)
+                self.counts.index_add_(0, ids, torch.ones(len(ids), device=self.device))
+            self.step.fill_(len(generated))
 
     def penalized(self, logits: torch.Tensor) -> torch.Tensor:
         """fp32 logits after the repetition, frequency and presence penalties."""

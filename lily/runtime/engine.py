@@ -1,4 +1,10 @@
-"""The engine: a loaded model, its tokenizer, and generation for one request at a time."""
+"""The engine: a loaded model, its tokenizer, its working states and prefix cache, and
+generation: one request (``generate``) or several at once (``batch``, lily/runtime/batch.py).
+
+Working states: one per request running at the same time, kept after the request ends as
+its conversation's live copy (the prefix cache chooses which one a new request takes); a
+new one is made only when every one is running.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +17,8 @@ import torch
 from lily.config import EngineConfig, ModelConfig
 from lily.model.model import Model
 from lily.ops.arch import force_arch
-from lily.runtime.generate import LogitsProcessor, StepOutput, Usage, decode_loop
+from lily.runtime.batch import Batch
+from lily.runtime.generate import LogitsProcessor, StepOutput, Usage
 from lily.runtime.memory_plan import engine_plan
 from lily.runtime.prefix_cache import PrefixCache
 from lily.runtime.runner import Runner
@@ -62,7 +69,8 @@ class Engine:
         )
         self.max_context = self.memory_plan.max_context
         self.last_usage = Usage()
-        self.state = self.new_state()  # the working state; the prefix cache owns copies
+        self.pool: list[SessionState] = [self.new_state()]  # the working states
+        self.batch = Batch(self)
         self.prefix_cache = PrefixCache(
             int(engine_cfg.prefix_cache_gb * 2**30),
             int(engine_cfg.prefix_cache_host_gb * 2**30),
@@ -119,6 +127,19 @@ class Engine:
             )
         return max_tokens if max_tokens is not None else self.max_context - n_prompt
 
+    @property
+    def state(self) -> SessionState:
+        """The first working state (the one a lone request runs on)."""
+        if not self.pool:
+            self.pool.append(self.new_state())
+        return self.pool[0]
+
+    @state.setter
+    def state(self, st: SessionState) -> None:
+        if self.pool:
+            self.discard(self.pool[0])
+        self.pool.insert(0, st)
+
     def generate(
         self,
         prompt_ids: list[int],
@@ -126,38 +147,60 @@ class Engine:
         cancelled: Callable[[], bool] = lambda: False,
         logits_processor: LogitsProcessor | None = None,
     ) -> Iterator[StepOutput]:
-        """Stream the continuation of ``prompt_ids``; see docs/CONTRACTS.md."""
+        """Stream the continuation of ``prompt_ids``, the request running alone on the
+        batch (lily/runtime/batch.py); see docs/CONTRACTS.md."""
         params.validate()
         max_new = self.check_fits(len(prompt_ids), params.max_tokens)
         usage = self.last_usage = Usage(prompt_tokens=len(prompt_ids))
         if max_new <= 0:
             yield StepOutput(None, "", finish_reason="length")
             return
-        prompt = list(prompt_ids)
+        if len(self.batch):
+            raise RuntimeError("generate runs one request alone; the batch is in use")
+        seq = self.batch.add(list(prompt_ids), params, cancelled, logits_processor, usage)
         try:
-            try:
-                logits = self.prefill(prompt, usage, cancelled)
-            except PrefillCancelled:
-                yield StepOutput(None, "", finish_reason="cancelled")
-                return
-            yield from decode_loop(
-                self.runner,
-                self.tokenizer,
-                self.state,
-                logits,
-                prompt,
-                params,
-                max_new,
-                cancelled,
-                logits_processor,
-                usage,
-            )
-        except BaseException:
-            # A fault (or an abandoned generator) mid-step can leave the working state
-            # half-updated: forget it rather than resume from it later.
-            if not _consistent(self.state):
-                self.reset()
-            raise
+            while not seq.done:
+                for _, out in self.batch.step():
+                    if isinstance(out, BaseException):
+                        raise out
+                    yield out
+        finally:
+            # An abandoned generator (or a fault) ends the request; a state a step left
+            # half-updated is forgotten rather than resumed from later.
+            self.batch.abort(seq)
+
+    # ---- working states
+    def take_state(self, prompt: list[int],
+                   running: list[SessionState]) -> tuple[SessionState, int]:  # fmt: skip
+        """A working state for ``prompt`` (not one of the ``running`` ones) at the best point
+        the prefix cache has for it; the tokens reused."""
+        idle = [st for st in self.pool if not any(st is r for r in running)]
+        if not idle:
+            idle = [self.new_state()]
+            self.pool.append(idle[0])
+        if self.engine_cfg.prefix_cache_gb > 0:
+            return self.prefix_cache.take(prompt, idle, running)
+        fresh = self.new_state()  # no reuse: each request from an empty state
+        self.pool[self.pool.index(idle[0])] = fresh
+        return fresh, 0
+
+    def discard(self, state: SessionState) -> None:
+        """Forget a working state (a fault may have left it half-updated)."""
+        self.prefix_cache.forget(state)
+        self.pool = [st for st in self.pool if st is not state]
+
+    def prefill_chunk(self, state: SessionState, prompt: list[int], pos: int, end: int,
+                      cuts: list[int]) -> torch.Tensor:  # fmt: skip
+        """Prefill ``prompt[pos:end]`` into ``state`` (at ``pos``), saving the DeltaNet
+        states at the ``cuts`` inside it (or on its end) to the prefix cache; the logits of
+        its last token."""
+        inner = [c for c in cuts if pos < c < end]
+        logits, snaps = self.runner.prefill_snapshots(prompt[pos:end], state, inner)
+        if end in cuts:  # a turn start right on a chunk boundary
+            snaps[end] = state.snapshot_recurrent()
+        for p, snap in sorted(snaps.items()):
+            self.prefix_cache.save(p, snap, state)
+        return logits
 
     @torch.inference_mode()
     def prefill(
@@ -166,22 +209,19 @@ class Engine:
         usage: Usage | None = None,
         cancelled: Callable[[], bool] = lambda: False,
     ) -> torch.Tensor:
-        """Bring the working state to the end of ``prompt``, reusing what it can.
+        """Bring a working state to the end of ``prompt``, reusing what it can (the state a
+        lone request would take: ``state`` when no request runs).
 
         Returns the logits of the last prompt token. A snapshot is saved before the last
         turn start in the newly prefilled part, so the next request can resume there. Between
         chunks ``cancelled`` is checked (PrefillCancelled), so a client that leaves during
         a long prompt frees the engine within one chunk.
         """
-        reuse = self.engine_cfg.prefix_cache_gb > 0
-        if reuse:
-            start = self.prefix_cache.acquire(prompt, self.state)
-        else:
-            self.reset()
-            start = 0
+        state, start = self.take_state(prompt, self.batch.states())
         if usage is not None:
             usage.cached_tokens = start
-        self.state.reserve(len(prompt) + 1)  # the whole prompt and the first decode step
+        state.reserve(len(prompt) + 1)  # the whole prompt and the first decode step
+        reuse = self.engine_cfg.prefix_cache_gb > 0
         cuts = PrefixCache.snapshot_points(prompt, start, self.boundary_ids) if reuse else []
         chunk = max(1, self.engine_cfg.prefill_chunk)
         pos, logits = start, None
@@ -189,30 +229,51 @@ class Engine:
             if logits is not None and cancelled():
                 raise PrefillCancelled
             end = min(pos + chunk, len(prompt))
-            inner = [c for c in cuts if pos < c < end]
-            logits, snaps = self.runner.prefill_snapshots(prompt[pos:end], self.state, inner)
-            if end in cuts:  # a turn start right on a chunk boundary
-                snaps[end] = self.state.snapshot_recurrent()
-            for p, snap in sorted(snaps.items()):
-                self.prefix_cache.save(p, snap)
+            logits = self.prefill_chunk(state, prompt, pos, end, cuts)
             pos = end
         return logits
 
+    def states_nbytes(self) -> int:
+        """Bytes the working states hold."""
+        return sum(st.nbytes() for st in self.pool)
+
+    def idle(self) -> list[SessionState]:
+        """The working states no running request holds."""
+        running = self.batch.states()
+        return [st for st in self.pool if not any(st is r for r in running)]
+
+    def idle_nbytes(self) -> int:
+        return sum(st.nbytes() for st in self.idle())
+
+    def largest_idle_nbytes(self) -> int:
+        return max((st.nbytes() for st in self.idle()), default=0)
+
+    def drop_idle(self, keep: int = 0) -> None:
+        """Give back the memory of idle working states but the ``keep`` most recently used:
+        their conversations go to the prefix cache (within its budget), the states go."""
+        cache = self.prefix_cache
+        idle = sorted(self.idle(), key=lambda st: cache.lives[id(st)][1].stamp
+                      if id(st) in cache.lives else 0)  # fmt: skip
+        for st in idle[: max(0, len(idle) - keep)]:
+            cache.release(st)
+            self.discard(st)
+        if str(self.engine_cfg.device).startswith("cuda"):
+            torch.cuda.empty_cache()
+
     def reset(self) -> None:
-        """Drop the working state and every saved one."""
-        self.state = self.new_state()
-        self.prefix_cache = PrefixCache(
-            self.prefix_cache.budget, self.prefix_cache.host_budget, self.engine_cfg.device
-        )
+        """Drop the idle working states and every saved one."""
+        running = self.batch.states()
+        self.pool = [st for st in self.pool if any(st is r for r in running)]
+        cache = self.prefix_cache
+        self.prefix_cache = PrefixCache(cache.budget, cache.host_budget, self.engine_cfg.device)
+        for st in running:  # their conversations go on
+            if id(st) in cache.lives:
+                self.prefix_cache.lives[id(st)] = cache.lives[id(st)]
 
     def score(self, ids: list[int]) -> torch.Tensor:
         """Teacher-forced fp32 logits (T, V) on the CPU for every position, prefilled in
         chunks on a fresh state by the runner (the generation path: kernels on a GPU)."""
         return self.runner.score(ids, self.new_state())
-
-
-def _consistent(state: SessionState) -> bool:
-    return not state.busy and len(state.tokens) == state.length
 
 
 def tiny_model_dir(root: str | Path | None = None) -> Path:

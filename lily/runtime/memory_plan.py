@@ -14,6 +14,10 @@ asks it what one request needs. The parts, for the full model at 128K (docs/note
 - scratch: one prefill chunk's temporaries at the largest layer, and the last logits and
   the sampler's vocabulary-sized buffers;
 - graphs: the CUDA-graph decode steps' memory pool (kernel path);
+- batched steps: with up to ``max_running`` requests decoded together (``lily serve
+  --max-running``), each batch size's logits buffer (its graphs share it), the largest
+  step's temporaries (the rows' activations, attention partials, the batched MoE's h and
+  partials, logits and draws) and the rows sampler's per-row tables;
 - prefix cache: its device budget (``--prefix-cache-gb``), all of which it may fill;
 - margin: the allocator's rounding, cuBLAS workspaces, grammar masks.
 
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lily.config import ModelConfig
+from lily.config import MAX_RUNNING, ModelConfig
 from lily.quant import QuantWeight
 from lily.runtime.state import INITIAL_CAPACITY, KV_STEP, kv_capacity
 
@@ -38,6 +42,10 @@ GRAPH_POOL = 64 * MiB  # the decode graphs' shared pool: one step's temporaries,
 PART_BYTES = 128 * MiB  # attention prefill's split partials cap (lily/ops/attention_prefill.py)
 SCORE_ELEMS = 1 << 26  # the reference attention's score block (lily/model/attention.py)
 SNAPSHOTS = 8  # turn-start snapshots one request is assumed to save (the server's guard)
+# A batched step's draw temporaries per logit of a row (lily/runtime/rows_sampling.py:
+# penalized and warped fp32 copies, the sort's values and int64 order, the fp64 uniforms
+# and their Gumbel transform; counted from the ops, an upper bound).
+DRAW_BYTES = 64
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -58,7 +66,7 @@ def scratch_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk: int, kernels: boo
     """Temporaries of one prefill chunk of ``chunk`` tokens at its largest layer, plus the
     last logits and the sampler's buffers. ``context`` matters to the reference path only
     (its attention materializes a score block up to SCORE_ELEMS)."""
-    t, es, d, v = chunk, _size(dtype), cfg.hidden_size, cfg.vocab_size
+    t, d, v = chunk, cfg.hidden_size, cfg.vocab_size
     tail = 2 * v * 4 + 4 * v * 8  # fp32 logits (and a copy), the sampler's int64/fp64 lanes
     if not kernels:
         widths = (
@@ -69,6 +77,13 @@ def scratch_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk: int, kernels: boo
         )
         score = 2 * min(SCORE_ELEMS, cfg.num_attention_heads * t * context) * 4
         return t * widths * 4 + score + tail
+    return t * token_bytes(cfg, dtype, PART_BYTES // t) + tail
+
+
+def token_bytes(cfg: ModelConfig, dtype: torch.dtype, attention_extra: int = 0) -> int:
+    """Kernel-path temporaries per token of a chunk at its largest layer (the residual
+    stream and the largest of DeltaNet, attention plus ``attention_extra``, and the MoE)."""
+    es, d = _size(dtype), cfg.hidden_size
     hv, kd, vd = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     k, e = cfg.num_experts_per_tok, cfg.num_experts
     i = max(cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size)
@@ -91,8 +106,42 @@ def scratch_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk: int, kernels: boo
         + 2 * d * es  # output and the next layer's normed input
     )
     residual = 2 * d * es  # the residual stream and its norm, live through every layer
-    layer = max(deltanet, moe, attention + PART_BYTES // t)
-    return t * (residual + layer) + tail
+    return residual + max(deltanet, moe, attention + attention_extra)
+
+
+def batch_bytes(cfg: ModelConfig, dtype: torch.dtype, max_running: int, context: int) -> int:
+    """Device memory of batched decode steps of 2 to ``max_running`` rows at contexts up to
+    ``context``, beyond the single-sequence path (0 for one request at a time): each batch
+    size's logits buffer, the largest step's temporaries and the rows sampler's tables."""
+    n = min(max_running, MAX_RUNNING)
+    if n < 2:
+        return 0
+    v = cfg.vocab_size
+    logits = sum(range(2, n + 1)) * v * 4  # one (b, V) fp32 buffer per batch size b
+    # The largest step: per row its layer temporaries (as a token of a prefill chunk), its
+    # fp32 logits and draw temporaries, and the batched attention's split partials (at
+    # most 64 blocks a row up to 64K positions, then 1,024 positions a block:
+    # lily/ops/attention_decode.py default_split), fp32 with one log-sum-exp per head.
+    blocks = max(64, -(-context // 1024))
+    partials = cfg.num_attention_heads * blocks * (cfg.head_dim + 1) * 4
+    step = n * (token_bytes(cfg, dtype) + v * (4 + DRAW_BYTES) + partials)
+    sampler = MAX_RUNNING * v * (1 + 4)  # the rows sampler's seen (bool) and counts (fp32)
+    return logits + step + moe_rows_bytes(cfg, n) + sampler
+
+
+def moe_rows_bytes(cfg: ModelConfig, n: int) -> int:
+    """The batched MoE decode's scratch for a step of ``n`` rows (lily/ops/moe_decode_rows.py),
+    bounded as if every step had 16 columns and 4 slots a down chunk (its largest form): h
+    of each slot's rows (bf16), the down launch's fp32 partials, the logits, the slot plan
+    and the tickets."""
+    e, k, d = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size
+    i, i_s, cols = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size, 16
+    slots = min(e, n * k)
+    padded = slots + 8  # the plan's slot list, whole chunks of up to 8
+    h = slots * cols * i * 2 + cols * max(i_s, 1) * 2
+    partials = (-(-slots // 4) + 1) * cols * d * 4
+    plan = n * (e + 1) * 4 + padded * (cols + 1) * 4 + 4 + d * 4  # (tickets: d / 16 at most)
+    return h + partials + plan
 
 
 @dataclass(frozen=True)
@@ -114,6 +163,8 @@ class MemoryPlan:
     chunk: int
     free: int | None = None
     auto: bool = False  # max_context chosen from the free memory
+    batch: int = 0  # batched decode steps (``batch_bytes``)
+    max_running: int = 1
 
     @property
     def total(self) -> int:
@@ -122,7 +173,7 @@ class MemoryPlan:
     @property
     def beyond_weights(self) -> int:
         return (self.kv + self.kv_growth + self.states + self.scratch + self.graphs
-                + self.prefix_cache + self.margin)  # fmt: skip
+                + self.batch + self.prefix_cache + self.margin)  # fmt: skip
 
     @property
     def fits(self) -> bool:
@@ -137,6 +188,7 @@ class MemoryPlan:
             "deltanet_states": self.states,
             "scratch": self.scratch,
             "graphs": self.graphs,
+            "batched_steps": self.batch,
             "prefix_cache": self.prefix_cache,
             "margin": self.margin,
             "total": self.total,
@@ -145,9 +197,10 @@ class MemoryPlan:
 
 def plan(cfg: ModelConfig, dtype: torch.dtype, *, weights: int, max_context: int, chunk: int,
          kernels: bool, graphs: bool, prefix_cache_bytes: int, device: str = "cpu",
-         free: int | None = None, auto: bool = False) -> MemoryPlan:  # fmt: skip
+         free: int | None = None, auto: bool = False,
+         max_running: int = 1) -> MemoryPlan:  # fmt: skip
     """The plan for a context of ``max_context`` tokens (a full cache holds exactly that:
-    growth stops at the limit)."""
+    growth stops at the limit), with up to ``max_running`` requests decoded together."""
     per_token = kv_bytes_per_token(cfg, dtype)
     one_buffer = per_token // max(1, 2 * len(cfg.attn_layers))
     return MemoryPlan(
@@ -165,6 +218,8 @@ def plan(cfg: ModelConfig, dtype: torch.dtype, *, weights: int, max_context: int
         chunk=chunk,
         free=free,
         auto=auto,
+        batch=batch_bytes(cfg, dtype, max_running, max_context) if kernels and graphs else 0,
+        max_running=max_running,
     )
 
 
@@ -260,6 +315,7 @@ def engine_plan(cfg: ModelConfig, engine_cfg, dtype: torch.dtype, params: dict,
         kernels=bool(engine_cfg.use_kernels),
         graphs=graphs,
         prefix_cache_bytes=int(engine_cfg.prefix_cache_gb * GiB),
+        max_running=getattr(engine_cfg, "max_running", 1),
     )
     if want is None:
         n = cap if free is None else largest_context(cfg, dtype, free, cap, **kw)

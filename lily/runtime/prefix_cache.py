@@ -7,10 +7,14 @@ before the point where the new prompt stops matching. Qwen's template drops earl
 reasoning, so a resent conversation matches only up to the last assistant header: the
 start of every turn (each ``<|im_start|>``) in a prompt gets a snapshot.
 
-One working ``SessionState`` is live (it holds the last request's KV cache and state);
-other conversations are kept as copies (KV trimmed to their length, plus snapshots),
-least-recently-used first out, within a byte budget; over the device budget they move
-to host memory, over the host budget they are dropped.
+Each working ``SessionState`` (one per request that ran at once, lily/runtime/engine.py)
+is live: it holds the last conversation it ran, KV cache and state in place. A new request
+takes the idle working state whose conversation it continues, else the least recently used
+one, whose conversation is first copied out; stored conversations are kept as copies (KV
+trimmed to their length, plus snapshots), least-recently-used first out, within a byte
+budget; over the device budget they move to host memory, over the host budget they are
+dropped. A request may also start from a snapshot of a state still running (a shared
+system prompt): its KV prefix is copied, the state is never shared.
 """
 
 from __future__ import annotations
@@ -97,7 +101,7 @@ class PrefixCache:
         self.budget = budget_bytes
         self.host_budget = host_budget_bytes
         self.device = torch.device(device)
-        self.live: Entry | None = None
+        self.lives: dict[int, tuple[SessionState, Entry]] = {}  # id(state) -> its conversation
         self.stored: list[Entry] = []
         self._clock = itertools.count(1)
         self.queries = 0  # prompt tokens looked up
@@ -113,51 +117,108 @@ class PrefixCache:
             points.append(len(entry.tokens))
         return max(points, default=0)
 
+    @property
+    def live(self) -> Entry | None:
+        """The conversation of the working state acquired last (None before any)."""
+        if not self.lives:
+            return None
+        return max((e for _, e in self.lives.values()), key=lambda e: e.stamp)
+
     def acquire(self, prompt: list[int], state: SessionState) -> int:
-        """Put the best saved state for ``prompt`` into ``state``; returns tokens reused."""
+        """Put the best saved state for ``prompt`` into ``state`` (the one working state);
+        returns tokens reused."""
+        return self.take(prompt, [state])[1]
+
+    def take(self, prompt: list[int], idle: list[SessionState],
+             running: list[SessionState] = ()) -> tuple[SessionState, int]:  # fmt: skip
+        """Choose one of the ``idle`` working states for ``prompt`` and bring it to the best
+        saved point: its own conversation where the prompt continues it (no copy), else a
+        stored one or a snapshot of a ``running`` state loaded into the least recently used
+        idle state (its conversation copied out first). Returns the state and the tokens
+        reused."""
         self.queries += len(prompt)
-        if self.live is not None:
-            # NOTE: the live entry's tokens are the working state's own list (kept current
-            # by the forward), so its head is always the state's length.
-            self.live.tokens = state.tokens
-        best, best_r = None, 0
-        for e in ([self.live] if self.live else []) + self.stored:
+        for st, e in self.lives.values():
+            # NOTE: a live entry's tokens are its state's own list (kept current by the
+            # forward), so its head is always the state's length.
+            e.tokens = st.tokens
+        mine = {id(s) for s in idle}
+        best, best_r, src = None, 0, None
+        for st, e in self.lives.values():
+            if id(st) in mine:
+                r = self.resume_point(e, prompt)
+            elif any(st is x for x in running):
+                r = self._snapshot_point(e, prompt)
+            else:
+                continue
+            if r > best_r:
+                best, best_r, src = e, r, st
+        for e in self.stored:
             r = self.resume_point(e, prompt)
             if r > best_r:
-                best, best_r = e, r
-        if best is None:
-            self._store_live(state)
-            state.restore(_zero_like(state.deltanet), 0)
-        elif best is self.live:
+                best, best_r, src = e, r, None
+        # In place when the prompt continues the state's conversation; a rewind would cut
+        # that conversation's tail, so with another idle state the prefix is copied instead.
+        if src is not None and id(src) in mine and (best_r == src.length or len(idle) == 1):
+            state = src
             if best_r < state.length:
-                state.restore(self.live.snaps[best_r], best_r)
+                state.restore(best.snaps[best_r], best_r)
         else:
-            # NOTE: out of `stored` before the live copy goes in: storing evicts, and the
-            # least recently used entry may be this very one.
-            self.stored.remove(best)
+            state = self._victim([st for st in idle if st is not src])
+            if best is not None and src is None:
+                # NOTE: out of `stored` before the victim's copy goes in: storing evicts, and
+                # the least recently used entry may be this very one.
+                self.stored.remove(best)
             self._store_live(state)
-            snap = self._load(best, best_r, state)
-            if best_r == len(best.tokens):
-                # Keep the point resumed from (often a trimmed entry's system-prompt end):
-                # the prefill below saves only the new part's last turn start.
-                best.snaps[best_r] = snap
-            best.kv, best.deltanet, best.spilled = None, None, False
-            self.live = best
-        if self.live is None or best is None:
-            self.live = Entry(tokens=state.tokens)
-        live = self.live
+            if best is None:
+                state.restore(_zero_like(state.deltanet), 0)
+                best = Entry(tokens=state.tokens)
+            elif src is None:
+                snap = self._load(best.kv, best, best_r, state)
+                if best_r == len(best.tokens):
+                    # Keep the point resumed from (often a trimmed entry's system-prompt end):
+                    # the prefill saves only the new part's last turn start.
+                    best.snaps[best_r] = snap
+                best.kv, best.deltanet, best.spilled = None, None, False
+            else:  # another state's snapshot: copied, that state is not touched
+                kv = {i: (c.k, c.v) for i, c in src.kv.items()}
+                snap = self._load(kv, best, best_r, state)
+                best = Entry(tokens=state.tokens, snaps={best_r: snap})
+            self.lives[id(state)] = (state, best)
+        live = best
         live.tokens = state.tokens
         # (to the device: a spilled entry resumed brings its snapshots back from the host)
         live.snaps = {p: _snap_to(s, self.device) for p, s in live.snaps.items() if p <= best_r}
         live.stamp = next(self._clock)
         self.hits += best_r
-        return best_r
+        return state, best_r
 
-    def _load(self, e: Entry, r: int, state: SessionState) -> Snap:
-        """Restore ``e``'s first ``r`` tokens into ``state``; returns the snapshot used (on
-        the device)."""
-        snap = _snap_to(e.deltanet if r == len(e.tokens) else e.snaps[r], self.device)
-        for i, (k, v) in e.kv.items():
+    @staticmethod
+    def _snapshot_point(entry: Entry, prompt: list[int]) -> int:
+        """Latest snapshot of a running conversation at or before the divergence point."""
+        limit = min(common_prefix(entry.tokens, prompt), len(prompt) - 1)
+        return max((p for p in entry.snaps if p <= limit), default=0)
+
+    def _victim(self, idle: list[SessionState]) -> SessionState:
+        """The idle state to load into: one holding no conversation, else the least
+        recently used."""
+        for st in idle:
+            if id(st) not in self.lives:
+                return st
+        return min(idle, key=lambda st: self.lives[id(st)][1].stamp)
+
+    def release(self, state: SessionState) -> None:
+        """Copy ``state``'s conversation out (within the budget); the state is given up."""
+        self._store_live(state)
+
+    def forget(self, state: SessionState) -> None:
+        """Drop ``state``'s conversation (the state is being discarded)."""
+        self.lives.pop(id(state), None)
+
+    def _load(self, kv: dict, e: Entry, r: int, state: SessionState) -> Snap:
+        """Restore ``e``'s first ``r`` tokens into ``state`` with KV from ``kv``; returns the
+        snapshot used (on the device)."""
+        snap = _snap_to(e.snaps[r] if r in e.snaps else e.deltanet, self.device)
+        for i, (k, v) in kv.items():
             c = state.kv[i]
             c.ensure(r)
             c.k[:, :r].copy_(k[:, :r])
@@ -167,8 +228,8 @@ class PrefixCache:
         return snap
 
     def _store_live(self, state: SessionState) -> None:
-        """Copy the live conversation out of the working state before it is reused."""
-        live, self.live = self.live, None
+        """Copy the state's live conversation out before the state is reused."""
+        live = self.lives.pop(id(state), (None, None))[1]
         if live is None or state.length == 0:
             return
         n = state.length if self.host_budget > 0 else _fitting_length(live, state, self.budget)
@@ -199,10 +260,12 @@ class PrefixCache:
             return []
         return sorted({at[0], at[-1]}) if start == 0 else [at[-1]]
 
-    def save(self, pos: int, snap: Snap) -> None:
-        """Keep the DeltaNet state at ``pos`` of the live conversation."""
-        assert self.live is not None
-        self.live.snaps[pos] = snap
+    def save(self, pos: int, snap: Snap, state: SessionState | None = None) -> None:
+        """Keep the DeltaNet state at ``pos`` of ``state``'s live conversation (default: the
+        state acquired last)."""
+        live = self.live if state is None else self.lives[id(state)][1]
+        assert live is not None
+        live.snaps[pos] = snap
         self.evict()
 
     # ---- budget
@@ -233,9 +296,11 @@ class PrefixCache:
             if self.host_nbytes() <= self.host_budget:
                 break
             self._shrink(e, lambda: self.host_nbytes() > self.host_budget)
-        # The live conversation's own snapshots: drop the oldest when still over budget.
-        while self.live and len(self.live.snaps) > 1 and self.nbytes() > self.budget:
-            del self.live.snaps[min(self.live.snaps)]
+        # The live conversations' own snapshots: drop the oldest when still over budget
+        # (least recently used conversation first).
+        for _, live in sorted(self.lives.values(), key=lambda x: x[1].stamp):
+            while len(live.snaps) > 1 and self.nbytes() > self.budget:
+                del live.snaps[min(live.snaps)]
 
     def _shrink(self, e: Entry, over) -> None:
         """Trim ``e`` while ``over()``; drop it when nothing is left to trim."""
@@ -245,7 +310,7 @@ class PrefixCache:
                 return
 
     def _live_snap_bytes(self) -> int:
-        return sum(_snap_bytes(s) for s in self.live.snaps.values()) if self.live else 0
+        return sum(_snap_bytes(s) for _, e in self.lives.values() for s in e.snaps.values())
 
 
 def _fitting_length(live: Entry, state: SessionState, budget: int) -> int:

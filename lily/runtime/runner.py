@@ -16,13 +16,19 @@ import gc
 
 import torch
 
-from lily.model.model import Model
+from lily.model.model import Model, Rows
+from lily.model.ops import MAX_ROWS
 from lily.runtime.device_decode import DeviceDecode
+from lily.runtime.rows import RowBuffers, RowsSent, graph_key
+from lily.runtime.rows_sampling import RowsSampler
+from lily.runtime.sampling import SamplingParams
 from lily.runtime.state import DeltaNetState
 from lily.transfer import to_device
 
 MIN_BUCKET = 4096  # the smallest context a decode graph is captured for
+MAX_SINGLE_GRAPHS = 32  # single-sequence graphs kept (about 1 MB of logits each)
 SCORE_ROWS = 2048  # lm_head rows at a time when scoring (fp32 logits of 2048 x V: 2 GB)
+_NEUTRAL = SamplingParams(temperature=0.0, seed=0)  # a batched row drawn on the host
 
 
 @contextlib.contextmanager
@@ -43,14 +49,13 @@ def no_gc():
             gc.enable()
 
 
-def graph_key(state) -> tuple:
-    """What a captured step bakes in about the state: every buffer's address and the KV
-    capacity (the attention kernels' row stride). A freed cache's address can come back
-    with another capacity; replaying a graph captured for the old one would then read
-    and write KV rows at the wrong stride."""
-    key = tuple((c.k.data_ptr(), c.v.data_ptr(), tuple(c.k.shape)) for c in state.kv.values())
-    return key + tuple((s.recurrent.data_ptr(), s.conv.data_ptr(), tuple(s.recurrent.shape))
-                       for s in state.deltanet.values())  # fmt: skip
+def context_bucket(start: int, capacity: int) -> int:
+    """The context bound a decode step at ``start`` is captured for (its graph's key): a
+    power of two from MIN_BUCKET, capped at the KV ``capacity``."""
+    b = MIN_BUCKET
+    while b < start + 1:
+        b *= 2
+    return min(b, capacity)
 
 
 class Runner:
@@ -73,6 +78,7 @@ class Runner:
         # size of a step's temporaries). Safe because steps replay one at a time on one
         # stream and a step's output is read (decode clones it) before another step replays.
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.row_buffers: dict[int, RowBuffers] = {}  # a batched step's inputs, per size
         self.tok = torch.zeros(1, dtype=torch.long, device=self.dev)
         self.pos = torch.zeros(1, dtype=torch.int32, device=self.dev)
         if sample_on_device is None:
@@ -80,6 +86,9 @@ class Runner:
         # Draws write self.tok: the graph's own input for the next step.
         self.device_decode = (DeviceDecode(self.tok, model.cfg.vocab_size)
                               if sample_on_device else None)  # fmt: skip
+        # A batched step's draws, one row per sequence (decode_rows_drawn).
+        self.rows_sampler = (RowsSampler(MAX_ROWS, model.cfg.vocab_size, self.dev)
+                             if sample_on_device else None)  # fmt: skip
 
     # ---- prefill
     def prefill(self, ids: list[int], state) -> torch.Tensor:
@@ -148,6 +157,149 @@ class Runner:
         self.consumed(state, token_id)
         return out
 
+    def decode_rows(self, token_ids: list[int], states: list) -> torch.Tensor:
+        """One decode step of B sequences at once: consume ``token_ids[r]`` at
+        ``states[r].length`` for every row r; fp32 logits (B, V) of each row's next token
+        (with graphs, a buffer the next step overwrites: read it first). One row takes the
+        single-sequence step (``decode``: its graphs). With the kernels every mixer runs
+        once for all rows over tables of their buffers (lily/runtime/rows.py), and with
+        graphs the step is one replay of a graph captured per batch size and context bucket
+        (whichever sequences fill the rows)."""
+        if len(token_ids) != len(states) or not states:
+            raise ValueError(f"{len(token_ids)} tokens for {len(states)} states")
+        if len(states) == 1:
+            return self.decode(token_ids[0], states[0])[None]
+        return self._rows_step(token_ids, states, None)[0]
+
+    def decode_rows_drawn(self, token_ids: list[int], states: list,
+                          loads: list) -> tuple[torch.Tensor, list[int]]:  # fmt: skip
+        """``decode_rows`` (B >= 2) with every row's next token drawn in the same step by
+        ``rows_sampler`` (in the batched graph, one copy to the host): ``loads[r]`` is
+        (owner, params, prompt, generated) of a row drawn on the device (owner: the request
+        and its draw count, e.g. (id, len(generated))), None for a row sampled on the host
+        from the logits (its draw means nothing). Returns the logits and the drawn ids
+        (-1 where nothing was sampleable)."""
+        sent = self.launch_rows(token_ids, states, loads)
+        return sent.logits, self.recv_rows(sent)
+
+    def launch_rows(self, token_ids: list[int], states: list, loads: list) -> RowsSent:
+        """``decode_rows_drawn`` without waiting: the draws' copy to the host is started,
+        ``recv_rows`` reads them. The draws are also the input of ``launch_rows_ahead``."""
+        if not 2 <= len(states) == len(token_ids) == len(loads):
+            raise ValueError(f"{len(token_ids)} tokens, {len(states)} states, {len(loads)} "
+                             "loads: at least two rows, one of each per row")  # fmt: skip
+        rs = self.rows_sampler
+        for r, ld in enumerate(loads):
+            if ld is None:
+                rs.load(r, None, _NEUTRAL, (), ())
+            else:
+                rs.load(r, *ld)
+        logits, buf = self._rows_step(token_ids, states, rs.structure(len(states)))
+        return self._sent(buf, logits)
+
+    def launch_rows_ahead(self, states: list) -> RowsSent:
+        """The next step of the rows of the last ``launch_rows``(``_ahead``), before the
+        host has read that step's draws: it consumes them on the device (the states
+        advance and stay ``busy``; the loop hands each id to ``consumed`` once read) and
+        draws the next."""
+        logits, buf = self._rows_step(None, states, self.rows_sampler.structure(len(states)))
+        return self._sent(buf, logits)
+
+    def recv_rows(self, sent: RowsSent) -> list[int]:
+        """The ids a launched batched step drew (-1: nothing sampleable), waiting for it."""
+        return sent.buf.recv(sent.slot)
+
+    def _sent(self, buf: RowBuffers, logits: torch.Tensor) -> RowsSent:
+        rs = self.rows_sampler
+        for r in range(buf.n):  # every loaded row made one draw more
+            if rs.owners[r] is not None:
+                owner, count = rs.owners[r]
+                rs.drawn(r, (owner, count + 1))
+        return RowsSent(buf, buf.send(), logits)
+
+    def _rows_step(self, token_ids: list[int] | None, states: list, draw) -> tuple:
+        """The batched step (``draw``: the rows sampler's Structure, or None: no draws) on
+        ``token_ids``, or (None) on the ids the last step drew; the logits and the row
+        buffers."""
+        starts = [self._begin(s, 1)[0] for s in states]
+        bound = max(self._bucket(p, s) for p, s in zip(starts, states, strict=True))
+        buf = self._row_buffers(len(states))
+        with torch.inference_mode():
+            rows = buf.rows(states) if self.model.kernels else Rows(states)
+            buf.load(token_ids, starts)
+            pos = buf.pos if self.model.kernels else starts
+            if self.use_graphs:
+                graph, logits = self._rows_graph(buf, rows, bound, draw)
+                graph.replay()
+            else:
+                logits = self._rows_forward(rows, buf.ids, pos, bound, buf, draw)
+        for s, p in zip(states, starts, strict=True):
+            s.length = p + 1
+        if token_ids is not None:
+            for s, t in zip(states, token_ids, strict=True):
+                self.consumed(s, t)
+        return logits, buf
+
+    def _rows_forward(self, rows: Rows, ids, pos, bound: int, buf: RowBuffers, draw):
+        logits, _ = self.model.forward(ids, rows, pos, bound, step=True)
+        if draw is not None:
+            self.rows_sampler.sample_into(logits, buf.drawn, draw)
+            # the next step's input (a failed draw, -1, reaches the host; the step
+            # already queued behind it must still embed a valid id)
+            buf.ids.copy_(buf.drawn.clamp_min(0))
+        return logits
+
+    def forget_rows(self) -> None:
+        """Let go of the states the batched steps last ran (a warm-up's scratch states):
+        the next step rewrites its tables and reloads every row's sampler."""
+        for buf in self.row_buffers.values():
+            buf.forget()
+        if self.rows_sampler is not None:
+            self.rows_sampler.clear()
+
+    def _row_buffers(self, n: int) -> RowBuffers:
+        buf = self.row_buffers.get(n)
+        if buf is None:
+            buf = self.row_buffers[n] = RowBuffers(self.model.cfg, n, self.dev)
+        return buf
+
+    def _rows_graph(self, buf: RowBuffers, rows: Rows, bound: int, draw):
+        """The captured batched step for ``buf``'s batch size, the context ``bound`` and
+        the draw's structure."""
+        key = ("rows", buf.n, bound, draw)
+        if key not in self.graphs:
+            states = rows.states
+            snaps = [s.snapshot_recurrent() for s in states]
+            drawn = self.rows_sampler.snapshot() if draw is not None else None
+
+            logits = buf.logits_buffer(self.model.cfg.vocab_size)
+
+            def step():
+                pos = buf.pos if self.model.kernels else [s.length for s in states]
+                # NOTE: into the batch size's one logits buffer, shared by its graphs: a
+                # graph then keeps none of its own (the memory plan's figure holds).
+                return logits.copy_(self._rows_forward(rows, buf.ids, pos, bound, buf, draw))
+
+            def put_back():
+                for s, snap in zip(states, snaps, strict=True):
+                    s.restore(snap, s.length)
+                if drawn is not None:
+                    self.rows_sampler.restore(drawn)
+
+            # Warm up outside the graph (compiles, allocator pools), put the states back.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step()
+            torch.cuda.current_stream().wait_stream(side)
+            put_back()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.graph_pool):
+                out = step()
+            put_back()
+            self.graphs[key] = (graph, out)
+        return self.graphs[key]
+
     def decode_sampled(self, state) -> None:
         """One step whose input is the last draw of ``device_decode``, already on the
         device: consume it at ``state.length``, draw the next, start its copy to the host.
@@ -190,10 +342,7 @@ class Runner:
 
     def _bucket(self, start: int, state) -> int:
         cap = min(c.capacity for c in state.kv.values()) if state.kv else start + 1
-        b = MIN_BUCKET
-        while b < start + 1:
-            b *= 2
-        return min(b, cap)
+        return context_bucket(start, cap)
 
     def _graph(self, state, start: int, sampled: bool = False):
         """The captured step for this state's buffers and context bucket (with ``sampled``,
@@ -204,8 +353,12 @@ class Runner:
         if sampled:
             key += dd.ident()
         if key not in self.graphs:
-            if len(self.graphs) > 16:  # buffers moved (new state): old graphs are dead
-                self.graphs.clear()
+            # One working state per request running at once (lily/runtime/engine.py), each
+            # with its own buffers: keep the most recent single-sequence graphs of several
+            # (a state freed and made again leaves dead ones, the oldest go first).
+            single = [k for k in self.graphs if k[0] != "rows"]  # (batched ones live on)
+            for k in single[: max(0, len(single) - MAX_SINGLE_GRAPHS)]:
+                del self.graphs[k]
             # Warm up outside the graph (compiles kernels, allocator pools), then put back
             # what it changed: the DeltaNet states, and the token and sampler counters.
             snap = state.snapshot_recurrent()

@@ -14,11 +14,17 @@ start of the server (issue 19). Warm-up runs throwaway work that covers those cl
   splits its keys there), and short ones after a long history (up to 16 splits);
 - one-token chunks at positions that cover attention decode's block counts;
 - decode steps on the working state at its context buckets (this captures their CUDA
-  graphs), unsampled and with the device sampler for greedy and the model's defaults.
+  graphs), unsampled and with the device sampler for greedy and the model's defaults;
+- with ``max_running`` above one (``lily serve --max-running``), batched decode steps of
+  every batch size from 2 up to it, each at every context bound class (rows all short, one
+  row at each bucket of the warm context, and one on a cache whose split blocks are not a
+  multiple of 16), unsampled and with each sampler structure:
+  their kernels (batched attention and DeltaNet steps, few-row GEMVs and MoE tiles) compile
+  and their graphs are captured before the first batch.
 
-Prefills run on a scratch state; the decode steps leave the working state as they found
-it (DeltaNet states, length, tokens); the prefix cache is not touched. A no-op on the
-reference path, which compiles nothing.
+Prefills and batched steps run on scratch states; the decode steps leave the working state
+as they found it (DeltaNet states, length, tokens); the prefix cache is not touched. A
+no-op on the reference path, which compiles nothing.
 """
 
 from __future__ import annotations
@@ -26,15 +32,16 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
-from lily.config import ModelConfig
+from lily.config import MAX_RUNNING, ModelConfig
 from lily.ops.arch import DEFAULT, Arch, current_arch
 from lily.ops.qgemv import MAX_ROWS as GEMV_ROWS  # chunks this short take the GEMV
+from lily.runtime.runner import MIN_BUCKET, context_bucket
 from lily.runtime.sampling import SamplingParams
-from lily.runtime.state import SessionState
+from lily.runtime.state import INITIAL_CAPACITY, SessionState, kv_capacity
 
 WARM_CONTEXT = 8192  # the working state's capacity after warm-up (its graphs are captured)
 LONG_HISTORY = 16384  # enough keys for attention prefill's largest split (16 x 8 x 64)
@@ -55,6 +62,37 @@ class Probe:
     tokens: int
     start: int
     cuts: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class BatchProbe:
+    """A throwaway batched decode step of ``rows`` sequences: row 0 at position ``start``
+    of a state of ``capacity`` positions, the others short (on caches of their first
+    capacity); ``start`` None: every row short."""
+
+    rows: int
+    start: int | None = None
+    capacity: int = 0
+
+
+# A capacity whose batched attention plan has split blocks not a multiple of 16 (Triton
+# specializes on it): what a cache of 36K or 80K positions replays; 33 blocks of 128 here.
+ODD_CAPACITY = MIN_BUCKET + 128
+
+
+def batch_probes(max_running: int, capacity: int, limit: int | None = None) -> list[BatchProbe]:
+    """The batched steps to warm: every batch size from 2 to ``max_running`` (at most
+    MAX_RUNNING), each with every row short (context bound INITIAL_CAPACITY), with one row
+    at each context bucket of a state of ``capacity`` positions (its last start), and one
+    at the end of ODD_CAPACITY positions (where the context ``limit`` allows)."""
+    last: dict[int, int] = {}
+    for s in decode_starts(capacity):
+        last[context_bucket(s, capacity)] = s
+    rows0 = [BatchProbe(0)] + [BatchProbe(0, s, capacity) for s in sorted(last.values())]
+    if ODD_CAPACITY <= (limit or capacity) and ODD_CAPACITY != capacity:
+        rows0.append(BatchProbe(0, ODD_CAPACITY - 1, ODD_CAPACITY))
+    return [BatchProbe(b, p.start, p.capacity)
+            for b in range(2, min(max_running, MAX_RUNNING) + 1) for p in rows0]  # fmt: skip
 
 
 def gemm_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
@@ -191,11 +229,13 @@ def kernel_variants() -> dict[str, int]:
 
 def warm_up(engine, *, progress: bool = True, force: bool = False,
             probes: list[Probe] | None = None, context: int = WARM_CONTEXT,
-            log: Callable[[str], None] | None = None) -> dict:  # fmt: skip
+            log: Callable[[str], None] | None = None,
+            max_running: int | None = None) -> dict:  # fmt: skip
     """Run the warm-up (see the module docstring) and return what it did: runs, seconds,
     kernel variants compiled or loaded. ``force`` runs it on the reference path too
     (tests); ``probes`` replaces the prefill probes; ``context`` is the working state's
-    capacity whose decode buckets are captured."""
+    capacity whose decode buckets are captured; ``max_running`` the largest batch to warm
+    (default the engine's ``max_running``)."""
     runner = engine.runner
     if not engine.model.kernels and not force:
         return {"skipped": "the reference path compiles nothing"}
@@ -209,8 +249,14 @@ def warm_up(engine, *, progress: bool = True, force: bool = False,
     cap = max(context, *(c.capacity for c in state.kv.values()))
     starts = [s for s in decode_starts(cap) if s >= state.length]
     variants = sampling_variants(engine.generation_defaults) if runner.device_decode else []
+    if max_running is None:
+        max_running = getattr(engine.engine_cfg, "max_running", 1)
+    batches = batch_probes(max_running, kv_capacity(context, engine.max_context),
+                           engine.max_context)  # fmt: skip
+    row_variants = sampling_variants(engine.generation_defaults) if runner.rows_sampler else []
     before = kernel_variants()
-    bar = _bar(len(probes) + len(starts) * (1 + len(variants)), progress)
+    n_batch = len(batches) * (1 + len(row_variants))
+    bar = _bar(len(probes) + len(starts) * (1 + len(variants)) + n_batch, progress)
     cuda = torch.device(engine.engine_cfg.device).type == "cuda"
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -221,6 +267,7 @@ def warm_up(engine, *, progress: bool = True, force: bool = False,
             bar.update(1)
         del scratch
         _decode_steps(engine, starts, variants, context, bar, cuda)
+        _batch_steps(engine, batches, row_variants, bar, cuda)
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()  # the scratch state and its chunks' temporaries
@@ -230,13 +277,15 @@ def warm_up(engine, *, progress: bool = True, force: bool = False,
         "seconds": time.perf_counter() - t0,
         "prefill_runs": len(probes),
         "decode_runs": len(starts) * (1 + len(variants)),
+        "batch_runs": n_batch,
         "kernel_variants": sum(after.values()),
         "new_variants": sum(after.values()) - sum(before.values()),
     }
     (log or _stderr)(
-        f"kernels ready in {report['seconds']:.1f} s: {report['prefill_runs']} prefill and "
-        f"{report['decode_runs']} decode warm-up runs, {report['new_variants']} kernel "
-        "variants compiled or loaded from Triton's cache"
+        f"kernels ready in {report['seconds']:.1f} s: {report['prefill_runs']} prefill, "
+        f"{report['decode_runs']} decode and {report['batch_runs']} batched decode warm-up "
+        f"runs, {report['new_variants']} kernel variants compiled or loaded from Triton's "
+        "cache"
     )
     return report
 
@@ -296,6 +345,53 @@ def _decode_steps(engine, starts: list[int], variants: list[SamplingParams], con
         state.restore(snap, length)
         state.tokens[:] = tokens  # in place: the prefix cache's live entry shares the list
         state.busy = False
+
+
+SHORT = 100  # a short row's position (its caches of INITIAL_CAPACITY positions)
+
+
+def _batch_steps(engine, probes: list[BatchProbe], variants: list[SamplingParams], bar,
+                 cuda: bool) -> None:  # fmt: skip
+    """The batched steps of ``probes`` on scratch states, unsampled and with each sampler
+    structure (every row drawn on the device with it); the runner forgets the states."""
+    if not probes:
+        return
+    runner, cfg = engine.runner, engine.cfg
+    dev, dtype, limit = engine.engine_cfg.device, engine.dtype, engine.max_context
+    n = max(p.rows for p in probes)
+    short = [SessionState.new(cfg, dev, dtype, limit, initial_capacity=INITIAL_CAPACITY)
+             for _ in range(n)]  # fmt: skip
+    short_cap = min(INITIAL_CAPACITY, limit)
+    longs = {p.capacity: SessionState.new(cfg, dev, dtype, limit, initial_capacity=p.capacity)
+             for p in probes if p.start is not None}  # fmt: skip
+    tok = min(11, cfg.vocab_size - 1)
+    try:
+        for i, p in enumerate(probes):
+            rows = short[: p.rows] if p.start is None else [longs[p.capacity], *short[1 : p.rows]]
+            starts = [min(SHORT + r, short_cap - 1) for r in range(p.rows)]
+            if p.start is not None:
+                starts[0] = p.start
+            for j, params in enumerate([None, *variants]):
+                for st, start in zip(rows, starts, strict=True):  # the same every time
+                    st.length = start
+                tokens = [tok] * p.rows
+                if params is None:
+                    runner.decode_rows(tokens, rows)
+                else:  # (an owner of its own: each row loads this structure; a seed, as
+                    # a request's Seq fixes one)
+                    seeded = replace(params, seed=0 if params.seed is None else params.seed)
+                    loads = [((("warm-up", i, j, r), 0), seeded, [tok], []) for r in range(p.rows)]
+                    runner.decode_rows_drawn(tokens, rows, loads)
+                if cuda:  # as in run_probe: a fault names its step
+                    try:
+                        torch.cuda.synchronize()
+                    except Exception as e:
+                        raise RuntimeError(f"warm-up: a batched decode step of {p.rows} rows "
+                                           f"(row 0 at {p.start}, {params or 'unsampled'}) "
+                                           f"failed: {e}") from e  # fmt: skip
+                bar.update(1)
+    finally:
+        runner.forget_rows()  # (the scratch states go; no row keeps a warm-up owner)
 
 
 def _bar(total: int, progress: bool):

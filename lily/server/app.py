@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
+from lily.config import MAX_RUNNING
 from lily.server import api_messages, api_responses
 from lily.server.api_messages_events import AnthropicErrors
 from lily.server.grammar import GrammarCompiler
@@ -64,6 +65,7 @@ class Settings:
     served_model_names: list[str] = field(default_factory=list)
     api_keys: list[str] = field(default_factory=list)
     queue_size: int = 64
+    max_running: int = 8  # requests computed together (continuous batching)
     default_template_kwargs: dict[str, Any] = field(default_factory=dict)
     cors_origins: list[str] = field(default_factory=list)
     keepalive: float = 5.0
@@ -107,10 +109,23 @@ class Context:
         self.vocab_size = max(getattr(cfg, "vocab_size", 0), engine.tokenizer.vocab_size)
         self.grammars = GrammarCompiler(engine.tokenizer)
         self.memory = MemoryGuard(engine, self.settings.max_request_memory)
-        self.scheduler = Scheduler(engine, self.metrics, self.settings.queue_size)
+        self.scheduler = Scheduler(engine, self.metrics, self.settings.queue_size,
+                                   self.settings.max_running, self._admit)  # fmt: skip
         self.scheduler.start()
         if self.status == "loading":  # not when a SIGTERM came during the load
             self.status = "ready"
+
+    def _admit(self, job: Any, running: list[Any]) -> bool:
+        """Whether ``job`` may start beside ``running`` ones: the memory their contexts
+        will need (lily/server/limits.py)."""
+        if self.memory is None:
+            return True
+
+        def lengths(j: Any) -> tuple[int, int]:
+            n, mt = len(j.prompt_ids), j.params.max_tokens
+            return n, n + (mt if mt is not None else self.engine.max_context - n)
+
+        return self.memory.admits(*lengths(job), [lengths(j) for j in running])
 
     def ready(self) -> Context:
         if self.status != "ready" or self.scheduler is None or not self.scheduler.alive:
@@ -300,7 +315,7 @@ def _start_engine(engine: Any, ctx: Context) -> None:
 
         if ctx.status == "loading":
             ctx.status = "warming up"
-        warm_up(engine, log=lambda m: log.info("%s", m))
+        warm_up(engine, log=lambda m: log.info("%s", m), max_running=ctx.settings.max_running)
         if ctx.status == "warming up":
             ctx.status = "loading"  # attach makes it ready
 
@@ -336,6 +351,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key-file", help="file with one API key per line")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use (default: the checkpoint's folder)")  # fmt: skip
+    p.add_argument("--max-running", type=int, default=Settings.max_running,
+                   help="requests computed at once (continuous batching; more wait in the "
+                   "queue, as do those whose context memory is not free yet)")  # fmt: skip
     p.add_argument("--queue-size", type=int, default=64,
                    help="requests that may wait; more get 429 (default 64)")  # fmt: skip
     p.add_argument("--default-chat-template-kwargs", default=None,
@@ -396,6 +414,10 @@ def settings_from_args(
             raise ValueError("--default-chat-template-kwargs: expected a JSON object")
     if args.queue_size < 0:
         raise ValueError("--queue-size: must be >= 0")
+    max_running = getattr(args, "max_running", Settings.max_running)
+    if not 1 <= max_running <= MAX_RUNNING:
+        raise ValueError(f"--max-running: must be between 1 and {MAX_RUNNING} (the requests "
+                         "one batched decode step holds)")  # fmt: skip
     if not 0 < args.keepalive <= 3600:
         raise ValueError("--keepalive: must be in (0, 3600] seconds")
     if args.max_body_bytes < 1024:
@@ -414,6 +436,7 @@ def settings_from_args(
         served_model_names=list(args.served_model_name or []),
         api_keys=list(dict.fromkeys(keys)),
         queue_size=args.queue_size,
+        max_running=max_running,
         default_template_kwargs=kwargs,
         cors_origins=list(args.cors_origins or []),
         keepalive=args.keepalive,

@@ -84,8 +84,9 @@ class MemoryGuard:
         free = self._free()
         if free is not None:
             e = self.engine
-            # The working state's buffers are reused by the next request ...
-            reusable = _nbytes(lambda: e.state.nbytes())
+            # The working states' buffers are reused by the next request (idle ones are
+            # given back when others need the room: ``admits``) ...
+            reusable = _nbytes(e.states_nbytes)
             # ... but the prefix cache may first copy it out, and it saves DeltaNet
             # snapshots at turn starts, as far as its budget lets it grow.
             cache = e.prefix_cache
@@ -100,6 +101,31 @@ class MemoryGuard:
         e = self.engine
         return estimate(e.cfg, e.dtype, n_prompt, n_total, e.engine_cfg.prefill_chunk,
                         e.max_context, bool(e.engine_cfg.use_kernels))  # fmt: skip
+
+    def admits(self, n_prompt: int, n_total: int, running: list[tuple[int, int]]) -> bool:
+        """Whether a request of ``n_prompt`` prompt tokens growing to ``n_total`` may start
+        beside the ``running`` ones (each its (n_prompt, n_total)): what all of them will
+        hold at their ends, and one prefill's workspace (prefills run one at a time), within
+        ``available`` (what is free and what the working states hold). When that needs the
+        memory of idle working states beyond the one the request may take over, they are
+        given back (their conversations copied to the prefix cache within its budget)."""
+        avail = self.available()
+        if avail is None:
+            return True
+        new = self.need(n_prompt, n_total)
+        later = [self.need(p, t) for p, t in running]
+        demand = new.total + sum(x.total - x.workspace for x in later)
+        if demand > avail:
+            return False
+        e = self.engine
+        free = self._free()
+        idle = _nbytes(e.idle_nbytes)
+        if free is not None and idle:
+            held = _nbytes(e.states_nbytes) - idle  # by the running requests
+            still = demand - held - _nbytes(e.largest_idle_nbytes)
+            if free - _SAFETY < still:
+                e.drop_idle(keep=1)
+        return True
 
     def fit(self, n_prompt: int, n_total: int) -> tuple[int, Estimate, int | None]:
         """The largest total length <= ``n_total`` that fits (``n_prompt`` when even one

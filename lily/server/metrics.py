@@ -83,7 +83,7 @@ class Metrics:
             out.append(f"# TYPE {PREFIX}{name} {kind}")
 
         running, waiting = self.queue()
-        head("num_requests_running", "gauge", "Requests being computed (0 or 1).")
+        head("num_requests_running", "gauge", "Requests being computed (up to --max-running).")
         out.append(f"{PREFIX}num_requests_running{label} {_fmt(running)}")
         head("num_requests_waiting", "gauge", "Requests waiting in the queue.")
         out.append(f"{PREFIX}num_requests_waiting{label} {_fmt(waiting)}")

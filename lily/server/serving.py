@@ -1,9 +1,12 @@
-"""One request computes at a time: a bounded FIFO queue and one engine worker thread.
+"""Requests run together, up to ``--max-running`` at once: a bounded FIFO queue and one
+engine worker thread that admits queued requests and steps the engine's batch
+(lily/runtime/batch.py: one step advances every running request by one token).
 
 All torch compute runs in the worker thread; the asyncio side receives each step through an
 ``asyncio.Queue`` fed with ``loop.call_soon_threadsafe``. A request is cancelled by setting
-its event, which the engine checks before every decode step (``cancelled`` callable), so
-the next request starts within one step of a client going away.
+its event, which the batch checks before every token (``cancelled`` callable), so a client
+going away frees its place within one step. A queued request is admitted when a place is
+free and, beside others, when the memory its context will need is there (``admit``).
 """
 
 from __future__ import annotations
@@ -55,9 +58,12 @@ class Job:
     loop: asyncio.AbstractEventLoop | None = None
     arrived: float = field(default_factory=time.monotonic)
     started: float | None = None
+    first: float | None = None  # when its first token went out
+    last: float | None = None  # when its latest token went out
     # NOTE: set once, under the scheduler's lock: each job is counted in exactly one of
     # the success, failure and cancelled counters.
     outcome: str | None = None
+    seq: Any = None  # its lily.runtime.sequence.Seq while it runs
 
     def post(self, kind: str, value: Any = None) -> None:
         """Hand an event to the request's coroutine (from any thread)."""
@@ -69,15 +75,22 @@ class Job:
 
 
 class Scheduler:
-    """Runs jobs one at a time, in arrival order, on a single worker thread."""
+    """Admits jobs in arrival order, up to ``max_running`` at once, and steps them together
+    on a single worker thread. ``admit(job, running)``: whether ``job`` may start beside the
+    ``running`` jobs (memory); a job always starts when none runs."""
 
-    def __init__(self, engine: Any, metrics: Metrics, queue_size: int) -> None:
+    def __init__(self, engine: Any, metrics: Metrics, queue_size: int, max_running: int = 1,
+                 admit: Callable[[Job, list[Job]], bool] | None = None) -> None:  # fmt: skip
+        if max_running < 1:
+            raise ValueError(f"max_running: must be >= 1, got {max_running}")
         self.engine = engine
         self.metrics = metrics
         self.queue_size = queue_size
+        self.max_running = max_running
+        self.admit = admit
         self._waiting: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
-        self._running: Job | None = None
+        self._running: list[Job] = []
         self._stop = False
         self._thread = threading.Thread(target=self._work, name="lily-engine", daemon=True)
         metrics.queue = self._queue_state
@@ -87,14 +100,14 @@ class Scheduler:
         self._thread.start()
 
     def stop(self) -> None:
-        """End the worker: queued jobs are dropped (their clients get a 503), the running
-        one is cancelled at its next step or prefill chunk."""
+        """End the worker: queued jobs are dropped (their clients get a 503), running ones
+        are cancelled at their next step or prefill chunk."""
         with self._cond:
             self._stop = True
             while self._waiting:
                 self._drop(self._waiting.popleft())
-            if self._running is not None:
-                self._running.cancel.set()
+            for job in self._running:
+                job.cancel.set()
             self._cond.notify_all()
 
     def close(self, timeout: float) -> bool:
@@ -116,24 +129,25 @@ class Scheduler:
 
     def _queue_state(self) -> tuple[int, int]:
         with self._cond:
-            return int(self._running is not None), len(self._waiting)
+            return len(self._running), len(self._waiting)
 
     @property
     def n_waiting(self) -> int:
         return len(self._waiting)
 
     def submit(self, job: Job) -> None:
-        """Queue ``job``; raises QueueFull when ``queue_size`` jobs already wait."""
+        """Queue ``job``; raises QueueFull when ``queue_size`` jobs already wait beyond the
+        places free to run."""
         job.loop = asyncio.get_running_loop()
         with self._cond:
-            idle = self._running is None and not self._waiting
-            if len(self._waiting) >= self.queue_size and not idle:
+            free = max(0, self.max_running - len(self._running))
+            if len(self._waiting) >= self.queue_size + free:
                 raise QueueFull
             self._waiting.append(job)
             self._cond.notify()
 
     def cancel(self, job: Job) -> None:
-        """Cancel ``job``: drop it from the queue, or stop it at the next decode step.
+        """Cancel ``job``: drop it from the queue, or stop it at its next step.
 
         A no-op for a finished job (handlers call it on every exit path)."""
         job.cancel.set()
@@ -162,70 +176,98 @@ class Scheduler:
     def _work(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and not self._stop:
+                while not self._waiting and not self._running and not self._stop:
                     self._cond.wait()
-                if self._stop:
+                if self._stop and not self._running:
                     return
-                job = self._waiting.popleft()
-                self._running = job
-            final: tuple[str, Any] = ("cancelled", None)
-            outcome = "cancelled"
+                new = self._admit()
+            for job in new:
+                self._start(job)
+            if not self._running:
+                continue
             try:
-                if not job.cancel.is_set():
-                    final, outcome = self._run(job)
-            finally:
-                with self._cond:
-                    self._running = None
-                    self._finish(job, outcome)
-            # NOTE: posted after clearing `_running`, so a client that sees its answer
-            # also sees the engine idle in /metrics.
-            job.post(*final)
+                # The server never needs autograd; inference mode also lets the engine update
+                # its cached tensors in place (they were made in inference mode).
+                with torch.inference_mode():
+                    outs = self.engine.batch.step()
+            except Exception as e:  # a fault outside any one request: all of them fail
+                log_error("engine step failed", e, log.isEnabledFor(logging.DEBUG))
+                outs = [(job.seq, e) for job in list(self._running) if job.seq is not None]
+                for job in list(self._running):
+                    if job.seq is not None:
+                        self.engine.batch.abort(job.seq)
+            self._deliver(outs)
 
-    def _run(self, job: Job) -> tuple[tuple[str, Any], str]:
-        """Stream the job's steps; return its final event (done or error) and its outcome."""
-        engine, m = self.engine, self.metrics
+    def _admit(self) -> list[Job]:
+        """Queued jobs that start now. NOTE: called with the lock held."""
+        new = []
+        while self._waiting and len(self._running) < self.max_running and not self._stop:
+            job = self._waiting[0]
+            if self._running and self.admit is not None and not self.admit(job, self._running):
+                break  # in order: the next one waits for memory, the rest behind it
+            self._waiting.popleft()
+            self._running.append(job)
+            new.append(job)
+        return new
+
+    def _start(self, job: Job) -> None:
         job.started = time.monotonic()
-        first = last = None
-        reason = None
+        job.seq = None
+        if job.cancel.is_set():
+            self._end(job, ("cancelled", None), "cancelled")
+            return
         try:
-            # The server never needs autograd; inference mode also lets the engine update
-            # its cached tensors in place (they were made in inference mode).
-            with torch.inference_mode():
-                steps = engine.generate(
-                    job.prompt_ids,
-                    job.params,
-                    cancelled=job.cancel.is_set,
-                    logits_processor=job.processor,
-                )
-                for step in steps:
-                    now = time.monotonic()
-                    if step.token_id is not None:
-                        if first is None:
-                            first = now
-                            m.observe("time_to_first_token_seconds", now - job.arrived)
-                        else:
-                            m.observe("inter_token_latency_seconds", now - last)
-                        last = now
-                    reason = step.finish_reason or reason
-                    job.post("step", step)
-        except Exception as e:  # an engine fault fails this request only
-            if isinstance(e, torch.OutOfMemoryError):
-                # The failed request's tensors are garbage now; give their memory back.
-                torch.cuda.empty_cache()
-            # NOTE: no traceback text with locals or prompts reaches the log, only the type
-            # and message (prompts stay out of logs unless --log-requests).
-            log.error("request %s: engine error: %s: %s", job.request_id, type(e).__name__,
-                      str(e)[:500], exc_info=log.isEnabledFor(logging.DEBUG))  # fmt: skip
-            return ("error", e), "failure"
-        usage = engine.last_usage
-        m.add("prompt_tokens", usage.prompt_tokens)
-        m.add("generation_tokens", usage.completion_tokens)
-        m.add("prefix_cache_queries", usage.prompt_tokens)
-        m.add("prefix_cache_hits", usage.cached_tokens)
-        if reason == "cancelled":
-            return ("done", usage), "cancelled"
-        m.observe("e2e_request_latency_seconds", time.monotonic() - job.arrived)
-        return ("done", usage), "success"
+            job.seq = self.engine.batch.add(job.prompt_ids, job.params,
+                                            cancelled=job.cancel.is_set,
+                                            processor=job.processor, tag=job)  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - a request the engine refuses fails alone
+            self._end(job, ("error", e), "failure")
+
+    def _deliver(self, outs: list) -> None:
+        """Hand each output to its request; end the requests that finished."""
+        m = self.metrics
+        for seq, out in outs:
+            job: Job = seq.tag
+            if isinstance(out, Exception):
+                if isinstance(out, torch.OutOfMemoryError):
+                    # The failed request's tensors are garbage now; give their memory back.
+                    torch.cuda.empty_cache()
+                # NOTE: no traceback text with locals or prompts reaches the log, only the
+                # type and message (prompts stay out of logs unless --log-requests).
+                log.error("request %s: engine error: %s: %s", job.request_id, type(out).__name__,
+                          str(out)[:500], exc_info=log.isEnabledFor(logging.DEBUG))  # fmt: skip
+                self._end(job, ("error", out), "failure")
+                continue
+            now = time.monotonic()
+            if out.token_id is not None:
+                if job.first is None:
+                    job.first = now
+                    m.observe("time_to_first_token_seconds", now - job.arrived)
+                else:
+                    m.observe("inter_token_latency_seconds", now - job.last)
+                job.last = now
+            job.post("step", out)
+            if out.finish_reason is None:
+                continue
+            usage = seq.usage
+            m.add("prompt_tokens", usage.prompt_tokens)
+            m.add("generation_tokens", usage.completion_tokens)
+            m.add("prefix_cache_queries", usage.prompt_tokens)
+            m.add("prefix_cache_hits", usage.cached_tokens)
+            if out.finish_reason == "cancelled":
+                self._end(job, ("done", usage), "cancelled")
+            else:
+                m.observe("e2e_request_latency_seconds", now - job.arrived)
+                self._end(job, ("done", usage), "success")
+
+    def _end(self, job: Job, final: tuple[str, Any], outcome: str) -> None:
+        with self._cond:
+            if job in self._running:
+                self._running.remove(job)
+            self._finish(job, outcome)
+        # NOTE: posted after leaving `_running`, so a client that sees its answer also sees
+        # the engine free in /metrics.
+        job.post(*final)
 
 
 async def events(job: Job, keepalive: float | None) -> AsyncIterator[tuple[str, Any]]:

@@ -309,6 +309,41 @@ def test_attention_decode_fallback_keys_same_result(forced):
     assert at.rel(got["sm_89"][0], want) < at.DOT_F32_TOL
 
 
+def test_attention_rows_fallback_keys_same_result(forced):
+    """A batched fp32 decode step (two sequences at 299 and 150 cached rows, split blocks
+    of 64) takes the key tile of one sequence's step: 32 keys a step on 99 KiB GPUs instead
+    of 64; each row's output is the default's and the fp32 reference's."""
+    from tests.ops import test_attention_ops as at
+
+    attn = at.OPS["attn_decode"]
+    lengths = (299, 150)
+    rows = [at.make_inputs(1, 320, h=16, dtype=torch.float32, seed=3 + r) for r in range(2)]
+    for d, n in zip(rows, lengths, strict=True):
+        at.fill_cache(d, n, seed=n)
+        d["q_norm"], d["k_norm"] = rows[0]["q_norm"], rows[0]["k_norm"]  # one layer's
+    want = [at.reference(d, n, slice(0, 1))[0][0] for d, n in zip(rows, lengths, strict=True)]
+    qg, k, v = (torch.cat([d[x] for d in rows]) for x in ("qg", "k", "v"))
+    tab = attn.kv_table([(d["k_cache"], d["v_cache"]) for d in rows], DEVICE)
+    pos = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    d0 = rows[0]
+
+    def step():
+        return attn.attention_decode_rows(qg, k, v, d0["q_norm"], d0["k_norm"], tab, d0["k_cache"],
+                                          pos, at.inv_freq(), max_len=320)  # fmt: skip
+
+    got = {}
+    for name in (None, "sm_89"):
+        forced(name)
+        with record_launches() as rec:
+            step()
+        kw = next(dict(freeze(r).kwargs) for r in rec if freeze(r).name == "_attn_decode_kernel")
+        got[name] = step(), kw["BN"], kw["IS_SPLIT"]
+    assert got[None][1:] == (64, True) and got["sm_89"][1:] == (32, True)
+    for r in range(2):
+        assert at.rel(got["sm_89"][0][r], got[None][0][r]) < 1e-6
+        assert at.rel(got["sm_89"][0][r], want[r]) < at.DOT_F32_TOL
+
+
 def test_report_names_the_tables_and_the_fast_paths_of_the_arch_in_use(forced):
     """The start-up report (lily/runtime/arch_report.py) follows the arch in use: forced to
     sm_89 on a GPU, PDL and warpgroup MMA are off and the tables are named as forced."""

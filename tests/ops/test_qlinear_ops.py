@@ -167,6 +167,11 @@ def test_gemv_config_every_row_count(t):
         for bits, gs in [(4, 64), (4, 32), (8, 64)]:
             cfg = gemv_config(n, k, t, bits, gs)
             assert cfg.block_g & (cfg.block_g - 1) == 0, (n, k, t, cfg)
+            # Several rows (a batched decode step's head too) take the few-row tile: at
+            # most 2,048 codes a row per step over 8 weight rows (the one-row lm_head
+            # tile, 64 rows x 8 groups, spilled 464-1,376 B a thread: compile matrix).
+            if t > 1:
+                assert cfg.block_n * cfg.block_g * gs * t <= 8 * 2048, (n, k, t, cfg)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -32,6 +32,15 @@ def test_cpu_report_names_the_reference_path_and_the_plan(hf_tiny_dir):
     assert any("KV cache" in line and "1.0 KiB a token" in line for line in text)
     assert any("512.0 MiB" in line and "prefix cache" in line for line in text)
     assert rep["kernel_tables"] is None and not any("kernel tables" in x for x in text)
+    assert not any("batched steps" in x for x in text)  # one request at a time
+    batched = {**rep, "max_running": 8,
+               "memory_plan": {**mem, "batched_steps": 200 << 20}}  # fmt: skip
+    assert any(
+        line.startswith("  batched steps ")
+        and "200.0 MiB" in line
+        and "up to 8 requests together" in line
+        for line in format_report(batched)
+    )
     forced = format_report({**rep, "kernel_tables": "sm_89 (forced by --gpu-arch)"})
     assert "kernel tables: sm_89 (forced by --gpu-arch)" in forced
 

@@ -174,3 +174,47 @@ def test_part_bytes_is_the_kernels_cap():
     from lily.ops.attention_prefill import PART_BYTES
 
     assert memory_plan.PART_BYTES == PART_BYTES
+
+
+def test_batched_steps_grow_the_plan_with_max_running():
+    """Requests decoded together (lily serve --max-running) add the batched steps' buffers
+    to the plan, more with every row, nothing for one request at a time or without
+    graphs; the figure covers what the runner really allocates for them (each batch
+    size's logits buffer, which its graphs share, and the rows sampler's tables)."""
+    from lily.runtime.memory_plan import batch_bytes
+    from lily.runtime.rows import RowBuffers
+    from lily.runtime.rows_sampling import RowsSampler
+
+    kw = dict(DEFAULTS, weights=WEIGHTS, max_context=32768)
+    one = plan(FULL, torch.bfloat16, **kw)
+    assert one.batch == 0 and plan(FULL, torch.bfloat16, max_running=1, **kw) == one
+    eager = plan(FULL, torch.bfloat16, max_running=8, **dict(kw, graphs=False))
+    assert eager.batch == 0
+    sizes = [plan(FULL, torch.bfloat16, max_running=n, **kw) for n in range(2, 17)]
+    assert all(a.batch < b.batch for a, b in zip(sizes, sizes[1:], strict=False))
+    eight = sizes[6]
+    assert eight.max_running == 8 and eight.parts()["batched_steps"] == eight.batch
+    assert eight.total == one.total + eight.batch
+    # what the runner holds for batches of 2-8 rows (CPU tensors of the real sizes)
+    v = FULL.vocab_size
+    logits = sum(RowBuffers(FULL, b, "cpu").logits_buffer(v).nbytes for b in range(2, 9))
+    rs = RowsSampler(16, v, "cpu")
+    held = logits + rs.seen.nbytes + rs.counts.nbytes
+    # and the largest step's fp32 logits and penalized copy: at least two (8, V) fp32
+    assert eight.batch >= held + 2 * 8 * v * 4
+    assert eight.batch == batch_bytes(FULL, torch.bfloat16, 8, 32768) < GiB // 4
+
+
+def test_engine_context_leaves_room_for_batched_steps():
+    """From a free-memory figure, an engine that decodes up to 8 requests together picks
+    a smaller context than one that decodes one at a time, and its plan still fits."""
+    from lily.runtime.memory_plan import engine_plan
+
+    free = 5 * GiB
+    ecfg = EngineConfig(device="cpu", max_context=None, prefill_chunk=2048, use_kernels=True)
+    alone = engine_plan(FULL, ecfg, torch.bfloat16, {}, graphs=True, free=free)
+    batched = engine_plan(FULL, EngineConfig(**{**ecfg.__dict__, "max_running": 8}),
+                          torch.bfloat16, {}, graphs=True, free=free)  # fmt: skip
+    assert alone.max_context == 163_840 and alone.batch == 0  # (as by hand above)
+    assert batched.batch > 0 and batched.max_context < alone.max_context
+    assert batched.fits and batched.beyond_weights <= free

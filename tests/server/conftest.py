@@ -119,12 +119,13 @@ def server(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def slow_server(model_dir, tmp_path_factory):
-    """Steps slowed to 0.15 s, queue of one, a fault on seed 666, a held model load."""
+    """Steps slowed to 0.15 s, one request at a time and a queue of one, a fault on seed
+    666, a held model load."""
     log = tmp_path_factory.mktemp("logs") / "slow.log"
     argv = [str(ROOT / "tests/server/launch.py"), "--step-delay", "0.15", "--fault-seed", "666",
             "--load-delay", "2", "serve", "--model", str(model_dir), "--max-context",
             str(SLOW_CONTEXT),
-            "--queue-size", "1", "--keepalive", "0.3",
+            "--queue-size", "1", "--max-running", "1", "--keepalive", "0.3",
             "--default-chat-template-kwargs", '{"enable_thinking": false}']  # fmt: skip
     s = Server(argv, log)
     try:

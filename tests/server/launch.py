@@ -3,12 +3,13 @@
     python tests/server/launch.py [--step-delay S] [--prefill-delay S] [--fault-seed N]
                                   [--load-delay S] [--prefix-cache-mb MB] serve ...
 
-``--step-delay`` sleeps after every engine step (so cancellation and queueing can be
-observed on a fast tiny model); ``--prefill-delay`` sleeps before the first step, like a
-long prefill (which, as in the engine, does not look at cancellation); a request with
-``seed == --fault-seed`` makes the engine raise after two steps; ``--load-delay`` holds the
-model load so /health is seen loading; ``--prefix-cache-mb`` bounds the engine's prefix
-cache (the CLI has no flag for it), so memory can be measured under load.
+``--step-delay`` sleeps after every step of the engine's batch (so cancellation and
+queueing can be observed on a fast tiny model); ``--prefill-delay`` sleeps when a request
+starts, like a long prefill (which, as in the engine, does not look at cancellation); a
+request with ``seed == --fault-seed`` fails with an engine error after two tokens;
+``--load-delay`` holds the model load so /health is seen loading; ``--prefix-cache-mb``
+bounds the engine's prefix cache (the CLI has no flag for it), so memory can be measured
+under load.
 """
 
 import argparse
@@ -21,27 +22,53 @@ from lily.engine_args import engine_config, load_engine
 from lily.server.app import run_server
 
 
-class HookedEngine:
-    """The real engine, slowed down per step and faulting on demand."""
+class HookedBatch:
+    """The engine's batch, slowed down per step and faulting on demand."""
 
-    def __init__(self, engine, delay: float, prefill_delay: float, fault_seed: int | None):
-        self._engine = engine
+    def __init__(self, batch, delay: float, prefill_delay: float, fault_seed: int | None):
+        self._batch = batch
         self._delay = delay
         self._prefill_delay = prefill_delay
         self._fault_seed = fault_seed
+        self._emitted: dict[int, int] = {}
+
+    def __getattr__(self, name):
+        return getattr(self._batch, name)
+
+    def __len__(self) -> int:
+        return len(self._batch)
+
+    def add(self, prompt, params, cancelled=lambda: False, processor=None, usage=None, tag=None):
+        time.sleep(self._prefill_delay)
+        return self._batch.add(prompt, params, cancelled, processor, usage, tag)
+
+    def step(self):
+        out, failed = [], set()
+        for seq, step in self._batch.step():
+            if id(seq) in failed:
+                continue
+            n = self._emitted.get(id(seq), 0)
+            self._emitted[id(seq)] = n + 1
+            if self._fault_seed is not None and seq.params.seed == self._fault_seed and n == 2:
+                self._batch.abort(seq)
+                failed.add(id(seq))
+                step = RuntimeError("injected engine fault")
+            if step is not None and (isinstance(step, Exception) or step.finish_reason):
+                self._emitted.pop(id(seq), None)
+            out.append((seq, step))
+        time.sleep(self._delay)
+        return out
+
+
+class HookedEngine:
+    """The real engine with its batch hooked (``HookedBatch``)."""
+
+    def __init__(self, engine, delay: float, prefill_delay: float, fault_seed: int | None):
+        self._engine = engine
+        self.batch = HookedBatch(engine.batch, delay, prefill_delay, fault_seed)
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
-
-    def generate(self, prompt_ids, params, cancelled=lambda: False, logits_processor=None):
-        time.sleep(self._prefill_delay)
-        for i, step in enumerate(
-            self._engine.generate(prompt_ids, params, cancelled, logits_processor)
-        ):
-            if self._fault_seed is not None and params.seed == self._fault_seed and i == 2:
-                raise RuntimeError("injected engine fault")
-            yield step
-            time.sleep(self._delay)
 
 
 def main() -> None:

@@ -1,7 +1,9 @@
 """Faults on a live server: clients vanishing at random points, engine errors, requests too
 big for memory, SIGTERM while streaming, broken checkpoints at start.
 
-The server's engine is slowed by tests/server/launch.py: a 0.3 s "prefill" before the first
+The servers compute one request at a time (--max-running 1: the queue is what these tests
+exercise; tests/server/test_batching.py runs requests together). The server's engine is
+slowed by tests/server/launch.py: a 0.3 s "prefill" before the first
 step (which, like the engine's real prefill, does not look at cancellation) and 0.03 s per
 decode step, so each phase of a request is wide enough to hit.
 """
@@ -56,7 +58,7 @@ def fault_server(model_dir, tmp_path_factory):
     argv = [str(ROOT / "tests/server/launch.py"), "--step-delay", str(STEP), "--prefill-delay",
             str(PREFILL), "--fault-seed", str(FAULT_SEED), "serve", "--model", str(model_dir),
             "--device", "cpu",  # the limit below is the CPU path's estimate (fp32, no kernels)
-            "--max-context", str(CONTEXT), "--keepalive", "0.1",
+            "--max-context", str(CONTEXT), "--keepalive", "0.1", "--max-running", "1",
             "--max-request-memory-mb", f"{memory_limit_mb(model_dir):.4f}"]  # fmt: skip
     s = Server(argv, log)
     try:
@@ -212,7 +214,7 @@ def test_unset_max_tokens_runs_to_what_memory_holds(fs):
 @pytest.fixture
 def drain_server(model_dir, tmp_path):
     argv = [str(ROOT / "tests/server/launch.py"), "--step-delay", "0.05", "serve",
-            "--model", str(model_dir), "--max-context", str(CONTEXT),
+            "--model", str(model_dir), "--max-context", str(CONTEXT), "--max-running", "1",
             "--drain-timeout", "30"]  # fmt: skip
     s = Server(argv, tmp_path / "drain.log")
     try:
@@ -271,7 +273,8 @@ def test_sigterm_past_a_short_drain_timeout_ends_requests_cleanly(model_dir, tmp
     error event or [DONE]), the queued request got uvicorn's plain-text 500, and the
     process died of SIGABRT ("terminate called without an active exception")."""
     argv = [str(ROOT / "tests/server/launch.py"), "--step-delay", "0.02", "serve",
-            "--model", str(model_dir), "--max-context", "4096", "--drain-timeout", "3"]  # fmt: skip
+            "--model", str(model_dir), "--max-context", "4096", "--drain-timeout", "3",
+            "--max-running", "1"]  # fmt: skip
     s = Server(argv, tmp_path / "short-drain.log")
     long = {"messages": MSGS, "max_tokens": 3000, "ignore_eos": True}
     out: dict = {}

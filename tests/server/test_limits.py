@@ -67,18 +67,27 @@ def test_estimate_of_the_full_model_in_bf16():
     assert est.recurrent == 30 * (conv + 32 * 128 * 128 * 4)
 
 
-def _fake_engine(state_bytes: int, cache_budget: int, cache_used: int, device: str = "cpu"):
+def _fake_engine(state_bytes: int, cache_budget: int, cache_used: int, device: str = "cpu",
+                 idle: list[int] = ()):  # fmt: skip
+    """An engine whose working states hold ``state_bytes`` (of which ``idle`` states hold
+    the given bytes; ``dropped`` records ``drop_idle`` calls)."""
     from lily.checkpoint import TINY_TEXT_CONFIG
     from lily.config import ModelConfig
 
-    return SimpleNamespace(
+    e = SimpleNamespace(
         cfg=ModelConfig.from_dict(TINY_TEXT_CONFIG),
         dtype=torch.float32,
         max_context=1024,
         engine_cfg=SimpleNamespace(device=device, prefill_chunk=2048, use_kernels=False),
-        state=SimpleNamespace(nbytes=lambda: state_bytes),
+        states_nbytes=lambda: state_bytes,
+        idle_nbytes=lambda: sum(e.idle),
+        largest_idle_nbytes=lambda: max(e.idle, default=0),
         prefix_cache=SimpleNamespace(budget=cache_budget, nbytes=lambda: cache_used),
+        idle=list(idle),
+        dropped=[],
     )
+    e.drop_idle = lambda keep: e.dropped.append(keep)
+    return e
 
 
 def test_available_counts_reusable_state_and_what_the_cache_may_take():
@@ -94,6 +103,29 @@ def test_available_counts_reusable_state_and_what_the_cache_may_take():
     assert MemoryGuard(e, 5 * MiB, free_reader=lambda: None).available() == 5 * MiB
     assert MemoryGuard(e, None, free_reader=lambda: None).available() is None
     assert MemoryGuard(e, None, free_reader=lambda: 10 * MiB).available() == 0  # margin
+
+
+def test_admission_counts_what_running_requests_will_still_need():
+    """Beside running requests, a new one starts when all of them fit at their ends (one
+    prefill's workspace only); idle working states are given back when their memory is
+    what makes it fit."""
+    e = _fake_engine(state_bytes=0, cache_budget=0, cache_used=0)
+    one = estimate(e.cfg, torch.float32, 100, 600, 2048, 1024, False)
+    free = 256 * MiB + 3 * one.total - 2 * one.workspace  # the margin and three requests
+    g = MemoryGuard(e, None, free_reader=lambda: free)
+    assert g.admits(100, 600, [(100, 600), (100, 600)])
+    assert not g.admits(100, 600, [(100, 600)] * 3)
+    assert not g.admits(100, 1024, [(100, 600)] * 2)  # a longer context: a bigger cache
+    assert MemoryGuard(e, None, free_reader=lambda: None).admits(100, 600, [(1, 1024)] * 50)
+    assert e.dropped == []
+    # Half of the room is in two idle states: the request fits only once they are given back.
+    e = _fake_engine(state_bytes=free // 2, cache_budget=0, cache_used=0,
+                     idle=[free // 4, free // 4])  # fmt: skip
+    g = MemoryGuard(e, None, free_reader=lambda: free - free // 2)
+    assert g.admits(100, 600, [(100, 600), (100, 600)]) and e.dropped == [1]
+    e.dropped.clear()
+    roomy = MemoryGuard(e, None, free_reader=lambda: 2 * free)
+    assert roomy.admits(100, 600, [(100, 600)]) and e.dropped == []  # no need
 
 
 def test_fit_finds_the_largest_total_that_fits():

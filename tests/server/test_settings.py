@@ -44,7 +44,9 @@ def test_limit_flags():
     assert (s.max_body_bytes, s.max_prompt_tokens) == (4096, 100)
     assert s.max_request_memory == 3 << 19 and s.drain_timeout == 7
     assert s.thinking_budget == 64
+    assert settings_from_args(parse("--max-running", "3")).max_running == 3
     d = settings_from_args(parse(), environ={})
+    assert d.max_running == 8
     assert d.max_body_bytes == 32 << 20 and d.max_prompt_tokens is None
     assert d.max_request_memory is None and d.thinking_budget is None
 
@@ -55,6 +57,8 @@ def test_limit_flags():
         (["--default-chat-template-kwargs", "{bad"], "--default-chat-template-kwargs"),
         (["--default-chat-template-kwargs", "[1]"], "--default-chat-template-kwargs"),
         (["--queue-size", "-1"], "--queue-size"),
+        (["--max-running", "0"], "--max-running"),
+        (["--max-running", "17"], "--max-running"),  # past the rows a batched step holds
         (["--keepalive", "0"], "--keepalive"),
         (["--api-key", "has space"], "--api-key"),
         (["--max-body-bytes", "100"], "--max-body-bytes"),
@@ -83,3 +87,20 @@ def test_a_model_that_fails_to_load_ends_the_server(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert r.returncode == 1 and "model_type" in r.stderr
+
+
+def test_max_running_reaches_the_engine_config():
+    """``lily serve --max-running`` also sizes the engine (its memory plan and warm-up);
+    the other commands, which run one request at a time, plan for one."""
+    from lily.engine_args import add_engine_args, engine_config
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    add_serve_args(p)
+    assert engine_config(p.parse_args(["--device", "cpu", "--max-running", "5"])).max_running == 5
+    assert engine_config(p.parse_args(["--device", "cpu"])).max_running == 8
+    alone = argparse.ArgumentParser()
+    add_engine_args(alone)
+    assert engine_config(alone.parse_args(["--device", "cpu"])).max_running == 1
+    with pytest.raises(ValueError, match="--max-running: must be between 1 and 16"):
+        engine_config(p.parse_args(["--device", "cpu", "--max-running", "17"]))

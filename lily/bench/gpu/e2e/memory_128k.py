@@ -3,10 +3,12 @@ at most 22.5 GiB), against the memory plan's per-part estimate.
 
     lily bench --run e2e.memory_128k -- [--tokens 131072] [--decode 8] [--out FILE.json]
         [--prefill-chunk 2048] [--prefix-cache-gb 1.0] [--max-context N] [--no-warmup]
+        [--max-running 8]
 
 The full-size random model (MLX 4-bit layout, 19.5 GB) is built on the GPU and served the
 way ``lily serve`` does: bf16, the kernel runner, chunks of 2,048, a 1 GiB prefix cache,
-the context chosen from the free memory, the kernels warmed up. Then one chat-shaped
+the context chosen from the free memory, up to 8 requests together (the plan holds the
+batched steps' buffers, the warm-up captures them), the kernels warmed up. Then one chat-shaped
 prompt of ``--tokens`` tokens goes through ``Engine.generate`` (prefix cache on: its
 turn-start snapshots are taken) and ``--decode`` tokens are generated. Printed and written
 as JSON: ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` after the load,
@@ -68,6 +70,9 @@ def main() -> int:
     ap.add_argument("--prefix-cache-gb", type=float, default=1.0)
     ap.add_argument("--max-context", type=int, default=None)
     ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--max-running", type=int, default=8,
+                    help="as lily serve's: the plan holds the batched steps' buffers, the "
+                    "warm-up captures them")  # fmt: skip
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -85,7 +90,8 @@ def main() -> int:
     phases = {}
     ecfg = EngineConfig(device="cuda", dtype="bfloat16", use_kernels=True,
                         prefill_chunk=args.prefill_chunk, max_context=args.max_context,
-                        prefix_cache_gb=args.prefix_cache_gb)  # fmt: skip
+                        prefix_cache_gb=args.prefix_cache_gb,
+                        max_running=args.max_running)  # fmt: skip
     engine = engine_from_params(FULL, full_params(), ecfg, name="random full")
     phases["load"] = _mem()
     report = architecture_report(engine)
@@ -106,7 +112,8 @@ def main() -> int:
     cap = max(c.capacity for c in engine.state.kv.values())
     at_request = plan(FULL, engine.dtype, weights=engine.memory_plan.weights, max_context=cap,
                       chunk=args.prefill_chunk, kernels=True, graphs=True,
-                      prefix_cache_bytes=int(args.prefix_cache_gb * GiB))  # fmt: skip
+                      prefix_cache_bytes=int(args.prefix_cache_gb * GiB),
+                      max_running=args.max_running)  # fmt: skip
     for name, m in phases.items():
         print(f"{name}: {_gib(m)} GiB", flush=True)
     print("plan at the request's capacity "

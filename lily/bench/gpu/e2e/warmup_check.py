@@ -3,7 +3,7 @@
 tenth), and the startup time (build + warm-up).
 
     lily bench --run e2e.warmup_check -- [--tokens 4096] [--requests 10] [--max-tokens 32]
-        [--coverage 20] [--cache-dir DIR] [--no-warmup] [--out FILE.json]
+        [--coverage 20] [--max-running 8] [--cache-dir DIR] [--no-warmup] [--out FILE.json]
 
 TRITON_CACHE_DIR is pointed at a new empty folder (``--cache-dir`` reuses one: a second
 start) before Triton is imported. The full-size random model is built on the GPU with
@@ -13,8 +13,10 @@ this process, as the server would: one system prompt shared (so the prefix cache
 the later ones at its end), a different user turn each, the model's default sampling,
 ``--max-tokens`` generated. Each is timed to its first token and to its last. Then
 ``--coverage`` prompts of random lengths (1 to 3 chunks, fresh and resumed) look for
-kernel variants the warm-up missed: any compiled after it is listed by kernel. Exit 1 when
-the first request took more than 1.5x the tenth, 2 without CUDA.
+kernel variants the warm-up missed: any compiled after it is listed by kernel. Then batches
+of 2 to ``--max-running`` such prompts decoded together (``lily serve``'s default 8, which
+the warm-up covers): kernel variants compiled there are listed apart. Exit 1 when the
+first request took more than 1.5x the tenth, 2 without CUDA.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--coverage", type=int, default=20)
+    ap.add_argument("--max-running", type=int, default=8, help="as lily serve's")
     ap.add_argument("--cache-dir", default=None, help="Triton cache (default: a new empty one)")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--out", default=None)
@@ -56,7 +59,8 @@ def main() -> int:
 
     t0 = time.perf_counter()
     # lily serve's defaults (prefill chunk, prefix cache), the context the free memory allows
-    ecfg = EngineConfig(device="cuda", dtype="bfloat16", use_kernels=True, max_context=None)
+    ecfg = EngineConfig(device="cuda", dtype="bfloat16", use_kernels=True, max_context=None,
+                        max_running=args.max_running)  # fmt: skip
     engine = engine_from_params(FULL, full_params(), ecfg, name="random full")
     torch.cuda.synchronize()
     build_s = time.perf_counter() - t0
@@ -85,6 +89,12 @@ def main() -> int:
     after = kernel_variants()
     missed = {k: after[k] - after_warmup.get(k, 0) for k in after
               if after[k] > after_warmup.get(k, 0)}  # fmt: skip
+    batched = [_together(engine, [chat_prompt(engine, rng.randint(48, 2 * ecfg.prefill_chunk),
+                                              seed=rng.randint(0, 1 << 30)) for _ in range(b)],
+                         params) for b in range(2, args.max_running + 1)]  # fmt: skip
+    after_batched = kernel_variants()
+    missed_batched = {k: after_batched[k] - after.get(k, 0) for k in after_batched
+                      if after_batched[k] > after.get(k, 0)}  # fmt: skip
     first, tenth = rows[0]["total_s"], rows[-1]["total_s"]
     ok = first <= 1.5 * tenth
     print(f"first {first:.3f} s, last {tenth:.3f} s: ratio {first / tenth:.2f} (bar 1.5): "
@@ -94,10 +104,31 @@ def main() -> int:
         + (", ".join(f"{k} +{v}" for k, v in missed.items()) or "none"),
         flush=True,
     )
+    print(
+        "kernel variants compiled by batched requests after the warm-up: "
+        + (", ".join(f"{k} +{v}" for k, v in missed_batched.items()) or "none"),
+        flush=True,
+    )
     write_json(args.out, args, triton_cache=cache, cache_was_empty=fresh, build_s=build_s,
                ready_s=ready_s, warmup=warm, requests=rows, coverage=coverage,
-               variants_missed=missed, ratio=first / tenth, passed=ok)  # fmt: skip
+               variants_missed=missed, batched=batched, variants_missed_batched=missed_batched,
+               ratio=first / tenth, passed=ok)  # fmt: skip
     return 0 if ok else 1
+
+
+def _together(engine, prompts: list[list[int]], params) -> dict:
+    """``prompts`` decoded together through the engine's batch (each its own seed): the
+    time until every one is answered."""
+    import torch
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        engine.batch.add(ids, dataclasses.replace(params, seed=i))
+    with torch.inference_mode():
+        while len(engine.batch):
+            engine.batch.step()
+    return {"rows": len(prompts), "total_s": time.perf_counter() - t0}
 
 
 def _timed(engine, ids: list[int], params) -> dict:

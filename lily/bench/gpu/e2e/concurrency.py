@@ -1,0 +1,100 @@
+"""Concurrent clients on `lily serve` (continuous batching) with the official openai client.
+
+Total and per-stream decode tok/s at 1, 2, 4, 8 streams, a 4K prompt's time to first token
+while 7 streams decode against idle, the streams' longest gap meanwhile; JSON and Markdown.
+
+The server runs in this process (uvicorn in a thread) over the full-size random model on
+the kernels, with ``lily serve``'s defaults but ``--max-running`` (and the engine's
+``--decode-prefill-chunk``); the measurements are lily/bench/serve_load.py's. One warm-up
+pass of every round first (kernel compiles, CUDA-graph captures per batch size), then the
+measured pass. ``--tiny`` runs the same on the CPU with the tiny random model (a check of
+the script, not a measurement).
+
+    lily bench --run e2e.concurrency -- --out bench/results/concurrency_h200.json \\
+        --md bench/results/concurrency_h200.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
+    ap.add_argument("--concurrency", default="1,2,4,8", help="stream counts, comma-separated")
+    ap.add_argument("--prompt", type=int, default=4096, help="prompt tokens of every stream")
+    ap.add_argument("--max-tokens", type=int, default=256, help="tokens each stream generates")
+    ap.add_argument("--busy", type=int, default=7, help="streams decoding during the TTFT test")
+    ap.add_argument(
+        "--busy-tokens",
+        type=int,
+        default=2048,
+        help="max tokens of those streams (enough to outlast the new prefill)",
+    )
+    ap.add_argument("--repeats", type=int, default=3, help="idle TTFT runs (median)")
+    ap.add_argument("--max-running", type=int, default=8)
+    ap.add_argument("--decode-prefill-chunk", type=int, default=None)
+    ap.add_argument("--prefill-chunk", type=int, default=None)
+    ap.add_argument("--max-context", type=int, default=65536)
+    ap.add_argument(
+        "--sampled", action="store_true", help="the server's default sampling (default: greedy)"
+    )
+    ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="the tiny random model on the CPU")
+    ap.add_argument("--out", help="JSON results")
+    ap.add_argument("--md", help="Markdown results")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from lily.bench import serve_load
+    from lily.bench.measure import env_info
+    from lily.bench.random_model import model_config, random_params
+    from lily.bench.source import engine_from_params
+    from lily.config import EngineConfig
+
+    if not args.tiny and not torch.cuda.is_available():
+        print("no CUDA device: run with --tiny for a CPU check", file=sys.stderr)
+        return 2
+    device = "cpu" if args.tiny else "cuda"
+    cfg = model_config("tiny" if args.tiny else "full")
+    # (max_running: the engine plans memory for the batched steps; the server warms them)
+    kw = {"device": device, "max_context": args.max_context, "max_running": args.max_running}
+    if not args.tiny:
+        kw |= {"dtype": "bfloat16", "use_kernels": True}
+    if args.prefill_chunk:
+        kw["prefill_chunk"] = args.prefill_chunk
+    if args.decode_prefill_chunk:
+        kw["decode_prefill_chunk"] = args.decode_prefill_chunk
+    dtype = torch.bfloat16 if not args.tiny else torch.float32
+    engine = engine_from_params(cfg, random_params(cfg, device, dtype=dtype), EngineConfig(**kw),
+                                name="random " + ("tiny" if args.tiny else "full"))  # fmt: skip
+    conc = [int(c) for c in args.concurrency.split(",")]
+    server = serve_load.Server(engine, args.max_running)
+    try:
+        load = serve_load.Load(server.url, cfg.vocab_size, None if args.sampled else 0.0)
+        passes = [False] if args.no_warmup else [True, False]
+        for warm in passes:
+            n = min(args.max_tokens, 16) if warm else args.max_tokens
+            result = {"rounds": serve_load.rounds(load, conc, args.prompt, n)}
+            result["ttft"] = serve_load.busy_ttft(
+                load, args.prompt, args.busy, args.busy_tokens, 1 if warm else args.repeats
+            )
+    finally:
+        server.close()
+    result["bars"] = serve_load.bars(result)
+    md = serve_load.markdown(result, result["bars"])
+    print(md)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"env": env_info(device), "args": vars(args), **result}, f, indent=1)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

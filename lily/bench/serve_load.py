@@ -1,0 +1,263 @@
+"""Concurrent streams against a live server, measured as a user sees them: the official
+``openai`` client streaming completions from ``lily serve`` (in this process, on an engine
+built by the caller; lily/bench/gpu/e2e/concurrency.py is the GPU run).
+
+- ``rounds``: for each concurrency c, c streams of distinct prompts started together;
+  total decode tok/s over the window in which all c decode (from the last first token to
+  the first last token), each stream's share, each stream's time to first token.
+- ``busy_ttft``: the time to first token of a new prompt on an idle server (median of a
+  few), and while ``busy`` streams decode: its time to first token and the longest gap
+  between the running streams' chunks while it was prefilled.
+
+Tokens are counted from the streamed chunks, scaled by each stream's usage (a chunk is a
+token except where the detokenizer holds back part of a character); gaps are between
+chunks. Prompts are distinct token ids, so no prefix is reused between streams.
+"""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from lily.bench.measure import pseudo_text_ids
+
+MODEL = "bench"
+
+
+@dataclass
+class Stream:
+    """One streamed completion: when it was sent, when each chunk came, its usage."""
+
+    sent: float = 0.0
+    chunks: list[float] = field(default_factory=list)
+    tokens: int = 0
+    error: str = ""
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunks[0] - self.sent if self.chunks else None
+
+    def rate_in(self, t0: float, t1: float) -> float:
+        """Tokens per second between t0 and t1 (chunks scaled to tokens)."""
+        n = sum(t0 < t <= t1 for t in self.chunks)
+        scale = self.tokens / len(self.chunks) if self.chunks and self.tokens else 1.0
+        return n * scale / (t1 - t0) if t1 > t0 else 0.0
+
+    def max_gap(self, t0: float, t1: float) -> float:
+        """Longest wait between chunks within [t0, t1] (the edges count as chunks)."""
+        ts = [t0] + [t for t in self.chunks if t0 < t < t1] + [t1]
+        return max(b - a for a, b in zip(ts, ts[1:], strict=False)) if t1 > t0 else 0.0
+
+
+class Server:
+    """``lily serve``'s app on ``engine`` under uvicorn in a thread, on a free local port."""
+
+    def __init__(self, engine, max_running: int, queue_size: int = 64):
+        import httpx
+        import uvicorn
+
+        from lily.server.app import Settings, create_app
+
+        settings = Settings(served_model_names=[MODEL], max_running=max_running,
+                            queue_size=queue_size)  # fmt: skip
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        config = uvicorn.Config(create_app(lambda: engine, settings), host="127.0.0.1",
+                                port=port, log_level="warning")  # fmt: skip
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("the server did not become ready")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(60)
+
+
+class Load:
+    """Streams against ``url`` with the official client; ``vocab`` for the prompt ids."""
+
+    def __init__(self, url: str, vocab: int, temperature: float | None = 0.0):
+        from openai import OpenAI
+
+        self.client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
+        self.vocab = vocab
+        self.temperature = temperature
+        self._seed = 1000
+
+    def prompt(self, n: int) -> list[int]:
+        self._seed += 1
+        return pseudo_text_ids(n, self.vocab, seed=self._seed)
+
+    def run(self, ids: list[int], max_tokens: int, out: Stream,
+            stop: threading.Event | None = None) -> None:  # fmt: skip
+        """Stream one completion into ``out`` (until done, or ``stop`` is set)."""
+        extra: dict[str, Any] = {"ignore_eos": True}
+        kw: dict[str, Any] = {}
+        if self.temperature is not None:
+            kw["temperature"] = self.temperature
+        try:
+            out.sent = time.perf_counter()
+            resp = self.client.completions.create(
+                model=MODEL, prompt=ids, max_tokens=max_tokens, stream=True,
+                stream_options={"include_usage": True}, extra_body=extra, **kw,
+            )  # fmt: skip
+            with resp:
+                for chunk in resp:
+                    now = time.perf_counter()
+                    if chunk.choices and chunk.choices[0].text:
+                        out.chunks.append(now)
+                    if chunk.usage is not None:
+                        out.tokens = chunk.usage.completion_tokens
+                    if stop is not None and stop.is_set():
+                        break
+        except Exception as e:  # noqa: BLE001 - reported in the results
+            out.error = f"{type(e).__name__}: {e}"
+
+    def together(self, prompts: list[list[int]], max_tokens: int,
+                 stop: threading.Event | None = None) -> tuple[list[Stream], list]:  # fmt: skip
+        """Start one stream per prompt at once (threads); the streams and the threads."""
+        streams = [Stream() for _ in prompts]
+        threads = [threading.Thread(target=self.run, args=(p, max_tokens, s, stop), daemon=True)
+                   for p, s in zip(prompts, streams, strict=True)]  # fmt: skip
+        for t in threads:
+            t.start()
+        return streams, threads
+
+
+def round_result(c: int, streams: list[Stream]) -> dict:
+    """Figures of one concurrency round (see the module docstring)."""
+    errors = [s.error for s in streams if s.error]
+    firsts = [s.chunks[0] for s in streams if s.chunks]
+    lasts = [s.chunks[-1] for s in streams if s.chunks]
+    out: dict[str, Any] = {"concurrency": c, "errors": errors,
+                           "ttft_s": [s.ttft for s in streams],
+                           "tokens": [s.tokens for s in streams]}  # fmt: skip
+    if len(firsts) < c or errors:
+        return out
+    t0, t1 = max(firsts), min(lasts)
+    if t1 <= t0:  # no moment with every stream decoding: each over its own span
+        rates = [s.rate_in(s.chunks[0], s.chunks[-1]) for s in streams]
+        t0, t1 = min(firsts), max(lasts)
+    else:
+        rates = [s.rate_in(t0, t1) for s in streams]
+    out |= {
+        "window_s": t1 - t0,
+        "total_tok_s": sum(rates),
+        "per_stream_tok_s": rates,
+        "min_stream_tok_s": min(rates),
+        "median_stream_tok_s": statistics.median(rates),
+        "max_gap_s": max(s.max_gap(t0, t1) for s in streams),
+    }
+    return out
+
+
+def rounds(load: Load, concurrency: list[int], prompt: int, max_tokens: int) -> list[dict]:
+    """One round per concurrency level (see the module docstring)."""
+    out = []
+    for c in concurrency:
+        streams, threads = load.together([load.prompt(prompt) for _ in range(c)], max_tokens)
+        for t in threads:
+            t.join()
+        out.append(round_result(c, streams))
+    return out
+
+
+def busy_ttft(load: Load, prompt: int, busy: int, busy_tokens: int, repeats: int) -> dict:
+    """A new prompt's time to first token, idle and while ``busy`` streams decode."""
+    idle = []
+    for _ in range(repeats):
+        s = Stream()
+        load.run(load.prompt(prompt), 1, s)
+        idle.append(s.ttft)
+    stop = threading.Event()
+    streams, threads = load.together([load.prompt(prompt) for _ in range(busy)], busy_tokens,
+                                     stop)  # fmt: skip
+    deadline = time.perf_counter() + 600
+    while not all(s.chunks or s.error for s in streams) and time.perf_counter() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # all of them decoding for a moment
+    new = Stream()
+    load.run(load.prompt(prompt), 1, new)
+    t_first = new.chunks[0] if new.chunks else time.perf_counter()
+    time.sleep(0.2)
+    stop.set()
+    for t in threads:
+        t.join()
+    errors = [s.error for s in (*streams, new) if s.error]
+    med = statistics.median(x for x in idle if x is not None) if all(idle) else None
+    return {
+        "prompt_tokens": prompt,
+        "busy_streams": busy,
+        "idle_ttft_s": idle,
+        "idle_ttft_median_s": med,
+        "busy_ttft_s": new.ttft,
+        "ratio": new.ttft / med if med and new.ttft else None,
+        # the running streams while the new prompt was prefilled (sent to first token)
+        "max_gap_during_prefill_s": max(s.max_gap(new.sent, t_first) for s in streams),
+        "busy_rate_during_prefill_tok_s": sum(s.rate_in(new.sent, t_first) for s in streams),
+        "errors": errors,
+    }
+
+
+def markdown(result: dict, bars: dict) -> str:
+    """The results as Markdown tables, with the issue's bars."""
+    lines = ["| streams | total tok/s | x one stream | min stream tok/s | median stream tok/s "
+             "| max gap ms | TTFT s (max) |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    one = next((r.get("total_tok_s") for r in result["rounds"] if r["concurrency"] == 1), None)
+    for r in result["rounds"]:
+        if "total_tok_s" not in r:
+            lines.append(f"| {r['concurrency']} | failed: {r['errors'][:1]} |||||")
+            continue
+        x = f"{r['total_tok_s'] / one:.2f}" if one else "-"
+        ttft = max(t for t in r["ttft_s"] if t is not None)
+        lines.append(f"| {r['concurrency']} | {r['total_tok_s']:.1f} | {x} | "
+                     f"{r['min_stream_tok_s']:.1f} | {r['median_stream_tok_s']:.1f} | "
+                     f"{1000 * r['max_gap_s']:.0f} | {ttft:.3f} |")  # fmt: skip
+    b = result.get("ttft")
+    if b:
+        lines += ["", f"A new {b['prompt_tokens']}-token prompt: time to first token "
+                  f"{_f(b['idle_ttft_median_s'])} s idle, {_f(b['busy_ttft_s'])} s while "
+                  f"{b['busy_streams']} streams decode ({_f(b['ratio'], 2)}x); their longest "
+                  f"gap meanwhile {_f(b['max_gap_during_prefill_s'], 0, 1000)} ms, "
+                  f"{_f(b['busy_rate_during_prefill_tok_s'], 1)} tok/s in total."]  # fmt: skip
+    lines += ["", "Bars (issue 22): " + "; ".join(f"{k}: {v}" for k, v in bars.items())]
+    return "\n".join(lines) + "\n"
+
+
+def bars(result: dict) -> dict:
+    """The issue's bars, each met (True), missed (False) or not measured (None)."""
+    by_c = {r["concurrency"]: r for r in result["rounds"] if "total_tok_s" in r}
+    one = by_c.get(1, {}).get("total_tok_s")
+
+    def x(c: int, need: float):
+        return by_c[c]["total_tok_s"] >= need * one if one and c in by_c else None
+
+    b = result.get("ttft") or {}
+    ratio, gap = b.get("ratio"), b.get("max_gap_during_prefill_s")
+    return {
+        "4 streams >= 2.0x one": x(4, 2.0),
+        "8 streams >= 3.0x one": x(8, 3.0),
+        "each of 8 streams >= 250 tok/s": by_c[8]["min_stream_tok_s"] >= 250 if 8 in by_c else None,
+        "busy TTFT <= 2x idle": ratio <= 2.0 if ratio is not None else None,
+        "no gap > 100 ms meanwhile": gap <= 0.1 if gap is not None else None,
+    }
+
+
+def _f(v, digits: int = 3, scale: float = 1.0) -> str:
+    return "-" if v is None else f"{v * scale:.{digits}f}"

@@ -1,0 +1,57 @@
+"""The concurrency benchmark (lily/bench/serve_load.py, lily/bench/gpu/e2e/concurrency.py):
+its arithmetic on made-up chunk times, and the whole script on the CPU with the tiny model
+(the official openai client against the in-process server)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lily.bench.serve_load import Stream, bars, round_result
+
+
+def stream(sent: float, times: list[float], tokens: int | None = None) -> Stream:
+    return Stream(sent=sent, chunks=times, tokens=tokens if tokens is not None else len(times))
+
+
+def test_window_rates_gaps_and_scaling():
+    a = stream(0.0, [1.0, 1.1, 1.2, 1.3, 1.4, 2.0])  # a 0.6 s gap at the end
+    b = stream(0.5, [1.2, 1.25, 1.3, 1.35, 1.4, 1.45, 1.5], tokens=14)  # 2 tokens a chunk
+    r = round_result(2, [a, b])
+    # every stream decodes from 1.2 (b's first token) to 1.5 (b's last)
+    assert r["window_s"] == pytest.approx(0.3)
+    assert r["per_stream_tok_s"] == pytest.approx([2 / 0.3, 2 * 6 / 0.3])
+    assert r["total_tok_s"] == pytest.approx(14 / 0.3)
+    assert r["ttft_s"] == pytest.approx([1.0, 0.7])
+    assert r["max_gap_s"] == pytest.approx(0.1)  # a's chunks at 1.3 and 1.4, none after
+    assert a.max_gap(1.0, 2.0) == pytest.approx(0.6)
+
+
+def test_failed_streams_and_bars():
+    bad = round_result(2, [stream(0, [1.0]), Stream(error="APIError: boom")])
+    assert "total_tok_s" not in bad and bad["errors"] == ["APIError: boom"]
+    rounds = [{"concurrency": 1, "total_tok_s": 100.0, "min_stream_tok_s": 100.0},
+              {"concurrency": 4, "total_tok_s": 210.0, "min_stream_tok_s": 52.0},
+              {"concurrency": 8, "total_tok_s": 290.0, "min_stream_tok_s": 36.0}]  # fmt: skip
+    got = bars({"rounds": rounds, "ttft": {"ratio": 1.5, "max_gap_during_prefill_s": 0.12}})
+    assert got == {"4 streams >= 2.0x one": True, "8 streams >= 3.0x one": False,
+                   "each of 8 streams >= 250 tok/s": False, "busy TTFT <= 2x idle": True,
+                   "no gap > 100 ms meanwhile": False}  # fmt: skip
+
+
+def test_the_script_runs_on_the_cpu(tmp_path):
+    from lily.bench.gpu.e2e.concurrency import main
+
+    out, md = tmp_path / "c.json", tmp_path / "c.md"
+    assert main(["--tiny", "--concurrency", "1,2", "--prompt", "12", "--max-tokens", "6",
+                 "--busy", "2", "--busy-tokens", "400", "--repeats", "1", "--no-warmup",
+                 "--out", str(out), "--md", str(md)]) == 0  # fmt: skip
+    res = json.loads(out.read_text())
+    assert [r["concurrency"] for r in res["rounds"]] == [1, 2]
+    for r in res["rounds"]:
+        assert r["errors"] == [] and r["tokens"] == [6] * r["concurrency"]
+        assert r["total_tok_s"] > 0 and len(r["per_stream_tok_s"]) == r["concurrency"]
+    t = res["ttft"]
+    assert t["errors"] == [] and t["busy_ttft_s"] > 0 and t["idle_ttft_median_s"] > 0
+    assert "| 2 |" in md.read_text() and "Bars (issue 22)" in md.read_text()

@@ -1,0 +1,165 @@
+"""The server's scheduler (lily/server/serving.py) over a stand-in batch: up to max_running
+jobs computed together, admission in arrival order and by the admit check, the queue bound
+counted beyond the free places, cancellation of a running job."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from lily.runtime.generate import StepOutput, Usage
+from lily.runtime.sampling import SamplingParams
+from lily.server.metrics import Metrics
+from lily.server.serving import Job, QueueFull, Scheduler, events
+
+
+class FakeSeq:
+    def __init__(self, n: int, cancelled, tag):
+        self.n, self.cancelled, self.tag = n, cancelled, tag
+        self.i = 0
+        self.usage = Usage(prompt_tokens=n)
+
+
+class FakeBatch:
+    """One token per running sequence per step; a sequence of prompt length n gives n."""
+
+    def __init__(self) -> None:
+        self.seqs: list[FakeSeq] = []
+        self.widest = 0
+        self.gate = threading.Event()
+        self.gate.set()
+        self.delay = 0.0
+
+    def add(self, prompt, params, cancelled, processor, tag):
+        s = FakeSeq(len(prompt), cancelled, tag)
+        self.seqs.append(s)
+        return s
+
+    def step(self):
+        self.gate.wait()
+        time.sleep(self.delay)
+        self.widest = max(self.widest, len(self.seqs))
+        outs = []
+        for s in list(self.seqs):
+            if s.cancelled():
+                outs.append((s, StepOutput(None, "", finish_reason="cancelled")))
+                self.seqs.remove(s)
+                continue
+            s.i += 1
+            s.usage.completion_tokens = s.i
+            done = s.i == s.n
+            outs.append((s, StepOutput(s.i, "x", finish_reason="length" if done else None)))
+            if done:
+                self.seqs.remove(s)
+        return outs
+
+
+def job(n: int) -> Job:
+    return Job(list(range(n)), SamplingParams(max_tokens=n))
+
+
+async def collect(j: Job) -> list:
+    return [(k, v) async for k, v in events(j, None)]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture
+def make():
+    made = []
+
+    def _make(max_running: int, queue_size: int = 8, admit=None):
+        engine = type("E", (), {"batch": FakeBatch()})()
+        s = Scheduler(engine, Metrics("t"), queue_size, max_running, admit)
+        s.start()
+        made.append(s)
+        return s, engine.batch
+
+    yield _make
+    for s in made:
+        s.close(5)
+
+
+def test_up_to_max_running_jobs_step_together(make):
+    sched, batch = make(max_running=3)
+
+    async def main():
+        jobs = [job(n) for n in (4, 6, 2, 5, 3)]
+        batch.gate.clear()  # all five are queued before the first step
+        for j in jobs:
+            sched.submit(j)
+        batch.gate.set()
+        return jobs, await asyncio.gather(*(collect(j) for j in jobs))
+
+    jobs, results = run(main())
+    assert batch.widest == 3
+    for j, res in zip(jobs, results, strict=True):
+        steps = [v for k, v in res if k == "step"]
+        assert [s.token_id for s in steps] == list(range(1, len(j.prompt_ids) + 1))
+        assert res[-1][0] == "done" and res[-1][1].completion_tokens == len(j.prompt_ids)
+        assert j.outcome == "success"
+
+
+def test_admit_holds_the_queue_in_order(make):
+    """A job the admit check refuses waits (and the one behind it too) until the running
+    jobs are gone; alone, it always starts."""
+
+    def admit(j, running):
+        return len(j.prompt_ids) < 5
+
+    sched, batch = make(max_running=4, admit=admit)
+
+    async def main():
+        a, big, c = job(6), job(9), job(2)
+        batch.gate.clear()
+        for j in (a, big, c):
+            sched.submit(j)
+        batch.gate.set()
+        await asyncio.gather(*(collect(j) for j in (a, big, c)))
+        return a, big, c
+
+    a, big, c = run(main())
+    started = sorted((a, big, c), key=lambda j: j.started)
+    # big waited for a to end; c waited behind big (arrival order)
+    assert started == [a, big, c] and big.started >= a.last  # after a's last token
+    assert all(j.outcome == "success" for j in (a, big, c))
+
+
+def test_queue_bound_counts_beyond_free_places(make):
+    sched, batch = make(max_running=2, queue_size=1)
+
+    async def main():
+        batch.gate.clear()
+        jobs = [job(3) for _ in range(3)]
+        for j in jobs:  # two places free and one queue slot
+            sched.submit(j)
+        with pytest.raises(QueueFull):
+            sched.submit(job(3))
+        batch.gate.set()
+        await asyncio.gather(*(collect(j) for j in jobs))
+
+    run(main())
+
+
+def test_cancelling_a_running_job_ends_it_alone(make):
+    sched, batch = make(max_running=2)
+    batch.delay = 0.01  # a's 40 steps outlast b's 6 by far
+
+    async def main():
+        a, b = job(40), job(6)
+        sched.submit(a)
+        sched.submit(b)
+        ta = asyncio.ensure_future(collect(a))
+        res_b = await collect(b)
+        sched.cancel(a)
+        return a, b, await ta, res_b
+
+    a, b, res_a, res_b = run(main())
+    assert a.outcome == "cancelled" and b.outcome == "success"
+    assert res_a[-2][1].finish_reason == "cancelled" and len(res_a) < 40
+    assert sched.busy == (0, 0)
