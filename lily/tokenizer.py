@@ -217,6 +217,12 @@ class Tokenizer:
         """Text of `ids`; ids with no token (padding rows of the embedding) give nothing."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @property
+    def id_count(self) -> int:
+        """How many ids the tokenizer names (added tokens included); the model's vocabulary
+        may be larger (padding rows)."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
     def token_id(self, text: str) -> int | None:
         """The id of the single token `text`, or None."""
         return self._tok.token_to_id(text)

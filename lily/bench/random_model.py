@@ -115,6 +115,29 @@ def random_params(
     return params
 
 
+def mute_head_rows(params: dict[str, Weight], first: int) -> dict[str, Weight]:
+    """``params`` with an lm_head whose rows from ``first`` on give logit 0 exactly.
+
+    A random model's logits are near-uniform over the whole vocabulary, but the bench's
+    tokenizer (lily/tokenizer_files.py) names only its first ids: the rest decode to
+    nothing, so a stream would carry no text to time. Zero scales and biases mute those
+    rows without changing what a step reads or computes (the same bytes, the same GEMV).
+    An lm_head tied to the embedding is left as it is (muting it would change the input).
+    """
+    head = params["lm_head"]
+    if head is params.get("embed_tokens"):
+        return params
+    if isinstance(head, QuantWeight):
+        scales, biases = head.scales.clone(), head.biases.clone()
+        scales[first:] = 0
+        biases[first:] = 0
+        muted: Weight = QuantWeight(head.qweight, scales, biases, head.bits, head.group_size)
+    else:
+        muted = head.clone()
+        muted[first:] = 0
+    return params | {"lm_head": muted}
+
+
 def params_nbytes(params: dict[str, Weight]) -> int:
     seen, n = set(), 0
     for w in params.values():

@@ -91,9 +91,18 @@ _TOKENIZER_DIRS: dict[int, Path] = {}
 
 
 def engine_from_params(
-    cfg: ModelConfig, params: dict[str, Weight], engine_cfg: EngineConfig, name: str = "random"
+    cfg: ModelConfig,
+    params: dict[str, Weight],
+    engine_cfg: EngineConfig,
+    name: str = "random",
+    text_only: bool = False,
 ):
-    """An ``Engine`` over in-memory parameters (with a small test tokenizer)."""
+    """An ``Engine`` over in-memory parameters (with a small test tokenizer).
+
+    ``text_only``: the lm_head rows past the tokenizer's ids are muted
+    (``random_model.mute_head_rows``), so greedy decoding emits text a stream can time.
+    """
+    from lily.bench.random_model import mute_head_rows
     from lily.runtime.engine import Engine
     from lily.tokenizer import Tokenizer
     from lily.tokenizer_files import write_test_tokenizer
@@ -103,7 +112,10 @@ def engine_from_params(
         d = Path(tempfile.mkdtemp(prefix="lily-bench-tok-"))
         write_test_tokenizer(d, cfg.vocab_size)
         _TOKENIZER_DIRS[cfg.vocab_size] = d
-    return Engine(cfg, params, Tokenizer.from_dir(d), engine_cfg, model_name=name)
+    tok = Tokenizer.from_dir(d)
+    if text_only:
+        params = mute_head_rows(params, tok.id_count)
+    return Engine(cfg, params, tok, engine_cfg, model_name=name)
 
 
 class LilyPeerAdapter(LilyAdapter):

@@ -13,6 +13,7 @@ from lily.bench.random_model import (
     fingerprint,
     hot_experts,
     model_config,
+    mute_head_rows,
     params_nbytes,
     random_params,
     save_mlx_checkpoint,
@@ -93,6 +94,23 @@ def test_activations_stay_finite_through_40_layers(dtype):
     assert logits.isfinite().all()
     assert 0.05 < logits.std().item() < 20  # neither collapsed nor blown up
     assert len(set(logits.argmax(-1).tolist())) > 3  # predictions vary with the input
+
+
+def test_muted_head_rows_give_zero_logits_and_never_win():
+    from lily.model.model import Model
+
+    cfg = model_config("tiny")
+    params = random_params(cfg, "cpu", seed=3, dtype=torch.float32)
+    muted = mute_head_rows(params, 100)
+    head, old = dequantize(muted["lm_head"]), dequantize(params["lm_head"])
+    assert head[100:].abs().max() == 0 and torch.equal(head[:100], old[:100])
+    assert params["lm_head"].scales[100:].abs().max() > 0  # the caller's tensors untouched
+    ids = torch.randint(0, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(1))
+    logits = Runner(Model(cfg, muted, torch.float32), 64).score(
+        ids.tolist(), SessionState.new(cfg, "cpu", torch.float32, 64)
+    )
+    assert torch.equal(logits[:, 100:], torch.zeros_like(logits[:, 100:]))
+    assert (logits.argmax(-1) < 100).all()  # greedy emits only ids the tokenizer names
 
 
 def test_same_seed_same_bytes_other_seed_other_bytes():

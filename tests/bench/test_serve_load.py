@@ -40,6 +40,13 @@ def test_failed_streams_and_bars():
                    "no gap > 100 ms meanwhile": False}  # fmt: skip
 
 
+def test_a_stream_of_mostly_textless_tokens_is_an_error_not_a_rate():
+    # 256 tokens in 1 text chunk (the rest decoded to nothing): no per-token timing
+    r = round_result(2, [stream(0.0, [1.0], tokens=256), stream(0.0, [0.5, 0.6], tokens=3)])
+    assert r["errors"] == ["256 tokens came in 1 text chunks: not timeable"]
+    assert "total_tok_s" not in r
+
+
 def test_the_script_runs_on_the_cpu(tmp_path):
     from lily.bench.gpu.e2e.concurrency import main
 

@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         kw["decode_prefill_chunk"] = args.decode_prefill_chunk
     dtype = torch.bfloat16 if not args.tiny else torch.float32
     engine = engine_from_params(cfg, random_params(cfg, device, dtype=dtype), EngineConfig(**kw),
-                                name="random " + ("tiny" if args.tiny else "full"))  # fmt: skip
+                                name="random " + ("tiny" if args.tiny else "full"),
+                                text_only=True)  # fmt: skip
     conc = [int(c) for c in args.concurrency.split(",")]
     server = serve_load.Server(engine, args.max_running)
     try:
