@@ -7,7 +7,7 @@
 # Versions follow what scripts/install.sh put in .venv, so both machines run the same code.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PKGS=(fastapi starlette uvicorn httpx2 httpcore2 pydantic pydantic-core annotated-types annotated-doc
+PKGS=(fastapi starlette uvicorn httpx2 httpcore2 h11 truststore pydantic pydantic-core annotated-types annotated-doc
       typing-inspection opentelemetry-api llguidance openai distro jiter sniffio anthropic
       jsonschema referencing rpds-py jsonschema-specifications mlx mlx-cpu mlx-lm)
 pins=()
@@ -21,3 +21,10 @@ mkdir -p .whl
 .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp "${plat[@]}" -d .whl "${pins[@]}"
 du -sh .whl
+# every wheel named above must be there (a missing one showed only as 18 server-test errors)
+missing=()
+for p in "${PKGS[@]}"; do
+    n=${p//-/_}
+    compgen -G ".whl/${n}-*.whl" > /dev/null || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] || { echo "missing wheels: ${missing[*]}" >&2; exit 1; }

@@ -339,8 +339,9 @@ def test_attention_rows_fallback_keys_same_result(forced):
         kw = next(dict(freeze(r).kwargs) for r in rec if freeze(r).name == "_attn_decode_kernel")
         got[name] = step(), kw["BN"], kw["IS_SPLIT"]
     assert got[None][1:] == (64, True) and got["sm_89"][1:] == (32, True)
+    same = 1e-6 if at.DEVICE == "cpu" else at.DOT_F32_TOL  # (as in the decode test above)
     for r in range(2):
-        assert at.rel(got["sm_89"][0][r], got[None][0][r]) < 1e-6
+        assert at.rel(got["sm_89"][0][r], got[None][0][r]) < same
         assert at.rel(got["sm_89"][0][r], want[r]) < at.DOT_F32_TOL
 
 

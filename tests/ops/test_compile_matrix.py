@@ -10,7 +10,7 @@ Tiers (LILY_COMPILE_MATRIX):
   ``STORED`` takes its stored result; the others are compiled. A change to a kernel or a
   table therefore compiles exactly the configs it changes.
 - ``full``: also the 8-bit checkpoints and fp32 activations, every config compiled afresh.
-LILY_COMPILE_MATRIX_SAVE=1 writes this run's results to ``STORED`` (run it with the ``ci``
+LILY_COMPILE_WORKERS sets how many processes compile (2). LILY_COMPILE_MATRIX_SAVE=1 writes this run's results to ``STORED`` (run it with the ``ci``
 tier after changing a kernel, and commit the file).
 Compiles run in two spawned worker processes (the interpreter the other CPU tests use
 cannot compile) and land in Triton's cache too.
@@ -51,9 +51,15 @@ if TIER not in TIERS:
 STORED = Path(__file__).with_name("compile_matrix_results.json")
 
 
+# Two compile processes suit CI's two cores. A machine whose Triton build or ptxas differs
+# from the one that stored the results (the lent GPU machine) compiles every config again:
+# scripts/gpu_suite.sh gives it more (LILY_COMPILE_WORKERS).
+WORKERS = int(os.environ.get("LILY_COMPILE_WORKERS", "2"))
+
+
 @pytest.fixture(scope="session")
 def pool():
-    with compile_pool(2) as p:
+    with compile_pool(WORKERS) as p:
         yield p
 
 

@@ -162,7 +162,7 @@ def test_model_rows_on_the_kernels_equal_each_row_alone(monkeypatch):
     (moe_decode): the last layer's output of every row. Rows at different positions over
     states prefilled (by the reference path) from different prompts. Two layers, one of
     each kind, of the tiny model's shapes: a step of the four-layer model took minutes on
-    the interpreter."""
+    the interpreter. On a GPU the same, natively."""
     import dataclasses
 
     import lily.model.ops as model_ops
@@ -171,7 +171,8 @@ def test_model_rows_on_the_kernels_equal_each_row_alone(monkeypatch):
 
     cfg = dataclasses.replace(model_config("tiny"), num_hidden_layers=2,
                               layer_types=("linear_attention", "full_attention"))  # fmt: skip
-    params = random_params(cfg, "cpu", "mlx4", seed=3, dtype=torch.bfloat16)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    params = random_params(cfg, dev, "mlx4", seed=3, dtype=torch.bfloat16)
     ref = Model(cfg, params, torch.bfloat16, kernels=False)
     model = Model(cfg, params, torch.bfloat16, kernels=True)
     prompts, toks = [[5, 6, 7, 8, 9], list(range(40, 71)), [300, 301]], [17, 400, 23]
@@ -187,13 +188,14 @@ def test_model_rows_on_the_kernels_equal_each_row_alone(monkeypatch):
         model_ops, "moe_decode_rows", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
     bound = 64
-    rows = RowBuffers(cfg, len(prompts), torch.device("cpu")).rows(batch)
-    starts = torch.tensor([len(p) for p in prompts], dtype=torch.int32)
+    rows = RowBuffers(cfg, len(prompts), dev).rows(batch)
+    starts = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=dev)
     with torch.inference_mode():
-        got, _ = model.run(torch.tensor(toks), rows, starts, bound, step=True)
+        got, _ = model.run(torch.tensor(toks, device=dev), rows, starts, bound, step=True)
         assert len(calls) == cfg.num_hidden_layers  # every layer's MoE took the rows kernel
         for r, (p, st) in enumerate(zip(prompts, alone, strict=True)):
-            want, _ = model.run(torch.tensor(toks[r : r + 1]), st, len(p), bound, step=True)
+            want, _ = model.run(torch.tensor(toks[r : r + 1], device=dev), st, len(p), bound,
+                                step=True)  # fmt: skip
             err = float((got[r].double() - want[0].double()).norm() / want[0].double().norm())
             assert err <= 2e-2, (r, err)  # bf16 roundings in another order
     assert len(calls) == cfg.num_hidden_layers  # (the rows alone: moe_decode)
