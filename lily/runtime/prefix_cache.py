@@ -40,7 +40,7 @@ def _snap_to(s: Snap, device) -> Snap:
     return {i: DeltaNetState(t.conv.to(device), t.recurrent.to(device)) for i, t in s.items()}
 
 
-@dataclass
+@dataclass(eq=False)
 class Entry:
     """One conversation's reusable state: its tokens, KV (None while live), snapshots."""
 

@@ -29,7 +29,7 @@ def graph_key(state) -> tuple:
                        for s in state.deltanet.values())  # fmt: skip
 
 
-@dataclass
+@dataclass(eq=False)
 class RowsSent:
     """A launched batched step: its buffers, the host slot its draws are copied to, its
     logits (a buffer the next replay overwrites)."""

@@ -29,7 +29,11 @@ def kv_capacity(positions: int, limit: int, initial: int = INITIAL_CAPACITY) -> 
     return min(-(-positions // KV_STEP) * KV_STEP, limit)
 
 
-@dataclass
+# NOTE: eq=False on the classes that hold tensors (here, the prefix cache's Entry, the
+# rows' RowsSent): they live in lists that `in`, `index` and `remove` search, and a
+# generated __eq__ compares fields, so two conversations with the same tokens would compare
+# their tensors and raise ("Boolean value of Tensor ... is ambiguous"). Identity is meant.
+@dataclass(eq=False)
 class KVCache:
     """K and V of shape (Hkv, capacity, Dh); positions [0, length) are valid."""
 
@@ -68,13 +72,13 @@ def _grown(t: torch.Tensor, cap: int) -> torch.Tensor:
     return out
 
 
-@dataclass
+@dataclass(eq=False)
 class DeltaNetState:
     conv: torch.Tensor  # (kernel - 1, conv_dim), compute dtype
     recurrent: torch.Tensor  # (Hv, K, Vd), fp32
 
 
-@dataclass
+@dataclass(eq=False)
 class SessionState:
     """Everything one sequence needs to continue; ``length`` tokens have been consumed."""
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lily.config import EngineConfig
 from lily.runtime.engine import Engine
-from lily.runtime.prefix_cache import PrefixCache, common_prefix
+from lily.runtime.prefix_cache import Entry, PrefixCache, common_prefix
 from lily.runtime.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -184,6 +185,30 @@ def test_new_conversation_reuses_the_shared_system_prompt(engines):
     system_end = next(i for i in range(1, len(second)) if second[i] == warm.tokenizer.im_start_id)
     assert cached == system_end
 
+
+
+@pytest.mark.parametrize("host_gb", [0.0, 1.0], ids=["dropped", "spilled"])
+def test_conversations_with_the_same_tokens_are_told_apart(host_gb):
+    """Agents sharing a system prompt leave stored conversations with the same tokens
+    (each cut back to that prompt's end). Evicting the older of two such twins found it by
+    comparing entries, which compared their tensors and failed the request with "Boolean
+    value of Tensor with more than one value is ambiguous" (seen under tests/server/
+    test_load.py); the least recently used one must go and the other stay, whole."""
+
+    def entry(stamp: int) -> Entry:
+        kv = {0: (torch.ones(2, 8, 4), torch.ones(2, 8, 4))}
+        return Entry(tokens=list(range(8)), kv=kv, deltanet={}, snaps={}, stamp=stamp)
+
+    newer, older = entry(5), entry(3)
+    pc = PrefixCache(budget_bytes=newer.nbytes(), host_budget_bytes=int(host_gb * newer.nbytes()))
+    pc.stored = [newer, older]
+    pc.evict()
+    assert [e is newer for e in pc.stored] == [True, False][: len(pc.stored)]
+    if host_gb:  # the older one spilled to the host budget instead
+        assert len(pc.stored) == 2 and pc.stored[1] is older and older.spilled
+    else:
+        assert len(pc.stored) == 1
+    assert newer.kv is not None and len(newer.tokens) == 8 and not newer.spilled
 
 def _words(rng, n: int) -> str:
     vocab = ["alpha", "beta", "gamma", "delta", "tool", "file", "read", "write", "agent", "plan"]
