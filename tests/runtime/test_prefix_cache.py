@@ -186,7 +186,6 @@ def test_new_conversation_reuses_the_shared_system_prompt(engines):
     assert cached == system_end
 
 
-
 @pytest.mark.parametrize("host_gb", [0.0, 1.0], ids=["dropped", "spilled"])
 def test_conversations_with_the_same_tokens_are_told_apart(host_gb):
     """Agents sharing a system prompt leave stored conversations with the same tokens
@@ -209,6 +208,7 @@ def test_conversations_with_the_same_tokens_are_told_apart(host_gb):
     else:
         assert len(pc.stored) == 1
     assert newer.kv is not None and len(newer.tokens) == 8 and not newer.spilled
+
 
 def _words(rng, n: int) -> str:
     vocab = ["alpha", "beta", "gamma", "delta", "tool", "file", "read", "write", "agent", "plan"]
