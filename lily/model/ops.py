@@ -58,6 +58,15 @@ if HAS_KERNELS:
 
 MAX_ROWS = MAX_RUNNING  # sequences one batched decode step may hold (the DeltaNet scratch's rows)
 
+# The MoE of a batched decode step: moe_decode with each launch's grid once a row (every
+# row reads its own k experts), or with ROWS_MOE moe_decode_rows (each chosen expert read
+# once for all the rows that chose it). On the H200 (bench/results/moe_rows_h200.json, us
+# a layer) moe_decode_rows lost to B one-row moe_decode calls in a row at every B up to 8
+# (2: 53 against 32; 8: 132 against 121) and to rmsnorm + moe_prefill at 16 (390 against
+# 189): it is latency-bound (41 us at one row against moe_decode's 17.5), not byte-bound.
+# The row grid runs those B calls' programs side by side; docs/notes/batching.md.
+ROWS_MOE = False
+
 
 @dataclass(frozen=True, slots=True)
 class Kernels:
@@ -252,9 +261,9 @@ def moe(x: Tensor, h: Tensor | None, norm_w: Tensor, m: MoEWeights, next_norm: T
     """``x + moe(h)`` with ``h = rmsnorm(x) * norm_w`` (``h`` when given), and with
     ``next_norm`` also its RMSNorm by that weight (the next layer's input) where the kernel
     makes it in its last launch (a prefill chunk), else None. Three launches for one row
-    (the norm in the first one's prologue when ``h`` is None), four for the rows of a
-    batched decode step (bf16, 4-bit experts: moe_decode_rows, each chosen expert read once
-    for all its rows; else moe_prefill), routing on the GPU. The MoE kernels take packed
+    (the norm in the first one's prologue when ``h`` is None), the same three for the rows
+    of a batched decode step (their grids once a row; ROWS_MOE: moe_decode_rows), routing
+    on the GPU. The MoE kernels take packed
     experts; dense ones (an unquantized checkpoint) take the reference (not
     graph-capturable: ``Model.capturable``)."""
     eps, top_k = cfg.rms_norm_eps, cfg.num_experts_per_tok
@@ -265,14 +274,7 @@ def moe(x: Tensor, h: Tensor | None, norm_w: Tensor, m: MoEWeights, next_norm: T
             h = rms_norm(x, norm_w, eps)
         x = x + sparse_moe(h, *w, top_k, cfg.norm_topk_prob)
         return x, None if next_norm is None else rms_norm(x, next_norm, eps)
-    if x.shape[0] == 1:
-        if h is None:
-            y = moe_decode(x[0], *w, top_k=top_k, residual=x[0], norm_weight=norm_w, eps=eps,
-                           pdl=k.pdl)  # fmt: skip
-        else:
-            y = moe_decode(h[0], *w, top_k=top_k, residual=x[0])
-        return y[None], None
-    if k.step and rows_fit(x, m.gate_proj, m.up_proj, m.down_proj, w[4:7]):
+    if k.step and ROWS_MOE and rows_fit(x, m.gate_proj, m.up_proj, m.down_proj, w[4:7]):
         # A batched decode step: each chosen expert read once for the rows that chose it.
         if h is None:
             y = moe_decode_rows(x, *w, top_k=top_k, residual=x, norm_weight=norm_w, eps=eps,
@@ -280,7 +282,15 @@ def moe(x: Tensor, h: Tensor | None, norm_w: Tensor, m: MoEWeights, next_norm: T
         else:
             y = moe_decode_rows(h, *w, top_k=top_k, residual=x, pdl=k.pdl)
         return y, None
-    if h is None:  # a decode step of several rows: no GEMV prologue made the norm
+    if k.step or x.shape[0] == 1:
+        # One row, or a batched decode step's rows (each launch's grid once a row).
+        if h is None:
+            y = moe_decode(x, *w, top_k=top_k, residual=x, norm_weight=norm_w, eps=eps,
+                           pdl=k.pdl)  # fmt: skip
+        else:
+            y = moe_decode(h, *w, top_k=top_k, residual=x)
+        return y, None
+    if h is None:  # no op before made the norm
         h = rmsnorm(x, norm_w, eps)
     if next_norm is None:
         return moe_prefill(h, *w, top_k=top_k, residual=x), None
