@@ -361,8 +361,9 @@ def check_moe(name: str, x: Tensor, weights: tuple, top_k: int, residual: Tensor
               what: str) -> tuple:  # fmt: skip
     """The checks every MoE launcher makes, with clear errors: the experts' (``weights``:
     router, gate, up, down, shared gate, up, down, shared_expert_gate), the router's and
-    the shared expert's shapes, x (``dims`` dims, or one of them; ``what`` names the form), top_k, the
-    residual (x's shape) and the norm weight. Returns (E, I, D, I_s, the norm weight)."""
+    the shared expert's shapes, x (``dims`` dims, or one of them; ``what`` names the
+    form), top_k, the residual (x's shape) and the norm weight. Returns (E, I, D, I_s, the
+    norm weight)."""
     router, gate, up, down, *shared = weights
     e, i, d = check_moe_weights(gate, up, down, name)
     check_weight(router, f"{name}: router", 2)
