@@ -145,8 +145,11 @@ def round_result(c: int, streams: list[Stream]) -> dict:
     errors = [s.error for s in streams if s.error]
     # A chunk is a token but where the detokenizer holds part of a character back; a
     # stream whose tokens mostly came as no text cannot be timed token by token.
-    errors += [f"{s.tokens} tokens came in {len(s.chunks)} text chunks: not timeable"
-               for s in streams if not s.error and s.tokens > 2 * max(len(s.chunks), 1)]  # fmt: skip
+    errors += [
+        f"{s.tokens} tokens came in {len(s.chunks)} text chunks: not timeable"
+        for s in streams
+        if not s.error and s.tokens > 2 * max(len(s.chunks), 1)
+    ]
     firsts = [s.chunks[0] for s in streams if s.chunks]
     lasts = [s.chunks[-1] for s in streams if s.chunks]
     out: dict[str, Any] = {"concurrency": c, "errors": errors,

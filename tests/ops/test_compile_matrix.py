@@ -10,8 +10,9 @@ Tiers (LILY_COMPILE_MATRIX):
   ``STORED`` takes its stored result; the others are compiled. A change to a kernel or a
   table therefore compiles exactly the configs it changes.
 - ``full``: also the 8-bit checkpoints and fp32 activations, every config compiled afresh.
-LILY_COMPILE_WORKERS sets how many processes compile (2). LILY_COMPILE_MATRIX_SAVE=1 writes this run's results to ``STORED`` (run it with the ``ci``
-tier after changing a kernel, and commit the file).
+LILY_COMPILE_WORKERS sets how many processes compile (2). LILY_COMPILE_MATRIX_SAVE=1
+writes this run's results to ``STORED`` (run it with the ``ci`` tier after changing a
+kernel, and commit the file).
 Compiles run in two spawned worker processes (the interpreter the other CPU tests use
 cannot compile) and land in Triton's cache too.
 """
