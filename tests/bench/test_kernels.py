@@ -97,5 +97,37 @@ def test_gpu_scripts_are_modules_of_the_package(capsys):
     assert all(s.startswith("lily.bench.gpu.") for s in kernels.SCRIPTS)
     with pytest.raises(ValueError, match="no GPU script 'nope'"):
         gpu.run("nope", [])
+    # the scripts' parts (no __main__ block) exist but are neither listed nor run
+    parts = ["kernels.common", "kernels.compile_report", "kernels.dense_linear",
+             "kernels.moe_linear", "kernels.mixer_deltanet", "kernels.mixer_attention"]  # fmt: skip
+    for n in parts:
+        assert importlib.util.find_spec(f"lily.bench.gpu.{n}") is not None, n
+        assert n not in listed
+    with pytest.raises(ValueError, match="no GPU script 'kernels.common'"):
+        gpu.run("kernels.common", [])
     recs, problem = kernels.run_script("lily.bench.gpu.kernels.nope", [], 60)
     assert recs == [] and problem.endswith("not found (skipped)")
+
+
+def test_quick_reaches_the_compile_only_path(monkeypatch, tmp_path):
+    """``--quick`` picks the table-only sweeps and hands them to compile_report as an
+    argument (the parts read no module global): no GEMV, GEMM, qgemv_mma or moe_prefill
+    tile sweeps, the first three moe_decode variants; without it, every sweep."""
+    import sys
+
+    from lily.bench.gpu.kernels import common, linear
+
+    seen = []
+    monkeypatch.setattr(linear, "compile_report", lambda *a: seen.append(a) or [])
+    out = tmp_path / "x.json"
+    for flag in (["--quick"], []):
+        monkeypatch.setattr(sys, "argv", ["linear", "--compile-only", "--only", "gemv,gemm",
+                                          "--out", str(out), *flag])  # fmt: skip
+        linear.main()
+        assert json.loads(out.read_text()) == {"compile_only": []}
+    (only, quick, sass), (_, full, _) = seen
+    assert only == {"gemv", "gemm"} and sass is None
+    assert quick is common.QUICK and full is common.FULL
+    assert not (quick.gemv or quick.gemm or quick.mma or quick.prefill_bm)
+    assert quick.decode == full.decode[:3] and len(full.decode) == 6
+    assert full.gemv and full.gemm and full.mma and full.prefill_bm == (16, 32, 64, 128)

@@ -208,7 +208,7 @@ def test_rows_at_the_model_shapes(b):
     """D 2048, 256 experts, top 8, intermediate 512, shared 512, MLX 4-bit groups of 64,
     8-bit routers (the kernel benchmark's random weights, made on the GPU), the
     post-attention norm fused, PDL: every row against its reference."""
-    from lily.bench.gpu.kernels.linear import moe_weights
+    from lily.bench.gpu.kernels.common import moe_weights
 
     gen = torch.Generator(device="cuda").manual_seed(b)
     w = moe_weights(gen)

@@ -11,7 +11,9 @@
 
 What they share: ``full_model`` (the full-size random model and a kernel engine over it,
 the JSON output), ``op_hooks`` (hooks on the model's ops) and ``persistent_stream`` (the
-persistent step's protocol kernel).
+persistent step's protocol kernel); the kernel scripts also ``kernels/common`` (shapes,
+sweeps, timing helpers). A module of a group without an ``if __name__ == "__main__":``
+block is a part of a script (``kernels.common``, ``kernels.moe_linear``, ...), not listed.
 """
 
 from __future__ import annotations
@@ -30,10 +32,22 @@ def scripts() -> dict[str, str]:
     here = Path(__file__).parent
     for group in GROUPS:
         for path in sorted((here / group).glob("*.py")):
-            if path.stem != "__init__":
-                doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+            tree = ast.parse(path.read_text())
+            if path.stem != "__init__" and _runnable(tree):
+                doc = ast.get_docstring(tree) or ""
                 out[f"{group}.{path.stem}"] = doc.strip().splitlines()[0] if doc else ""
     return out
+
+
+def _runnable(tree: ast.Module) -> bool:
+    """Whether a module is a script: it has a top-level ``if __name__ == "__main__":``."""
+    return any(
+        isinstance(node, ast.If)
+        and isinstance(node.test, ast.Compare)
+        and isinstance(node.test.left, ast.Name)
+        and node.test.left.id == "__name__"
+        for node in tree.body
+    )
 
 
 def run(name: str, argv: list[str]) -> int:

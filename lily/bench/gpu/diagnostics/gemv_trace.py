@@ -170,7 +170,7 @@ def analyse(traces: list[torch.Tensor], fine: bool) -> dict:
 
 def main() -> None:
     from lily.bench.gpu.full_model import write_json
-    from lily.bench.gpu.kernels.linear import norm_weight, weight_copies
+    from lily.bench.gpu.kernels.common import norm_weight, weight_copies
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="JSON results path")

@@ -9,7 +9,7 @@ import json
 
 import torch
 
-from lily.bench.gpu.kernels.linear import TOP_K, D, bench_ms, moe_weights
+from lily.bench.gpu.kernels.common import TOP_K, D, bench_ms, moe_weights
 from lily.ops.moe_prefill import MoePrefillConfig, moe_prefill, moe_prefill_config
 from lily.ops.qgemm import GemmConfig as G
 

@@ -15,7 +15,7 @@ from functools import partial
 import torch
 
 from lily.bench.gpu.full_model import write_json
-from lily.bench.gpu.kernels.linear import TOP_K, D, bench_ms, moe_weights
+from lily.bench.gpu.kernels.common import TOP_K, D, bench_ms, moe_weights
 from lily.ops.moe_prefill import MoePrefillConfig, moe_prefill, moe_prefill_config
 from lily.ops.qgemm import GemmConfig, gemm_config, qgemm
 from lily.quant import quantize

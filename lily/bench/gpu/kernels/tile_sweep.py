@@ -16,7 +16,7 @@ from functools import partial
 
 import torch
 
-from lily.bench.gpu.kernels.linear import (
+from lily.bench.gpu.kernels.common import (
     BF16,
     DEV,
     EPS,
