@@ -50,13 +50,25 @@ if HAS_KERNELS:
     from lily.ops.moe_prefill import moe_prefill
     from lily.ops.norm_rope import rope_inv_freq
     from lily.ops.qgemm import qgemm
-    from lily.ops.qgemv import MAX_ROWS as GEMV_ROWS  # rows at or below run through the GEMV
+    from lily.ops.qgemv import MAX_ROWS as QGEMV_ROWS  # the most rows the GEMV takes
     from lily.ops.qgemv import qgemv
     from lily.ops.qgemv_mma import mma_supports, qgemv_mma
     from lily.ops.rmsnorm import add_rmsnorm, rmsnorm
 
 
 MAX_ROWS = MAX_RUNNING  # sequences one batched decode step may hold (the DeltaNet scratch's rows)
+
+# bf16 rows at or below this run through the FMA GEMV (qgemv), more through the GEMM. On the
+# H200 the 8192 x 2048 projection took 15 us on qgemv at 2 rows against 22 on qgemm, but 38
+# against 22 at 4 and 94 against 22-29 at 8 (bench/results/linear_kernels_h200_run4_stream
+# .json): a batched step of 3-8 rows on qgemv spent about 4x a projection's time. Other
+# dtypes keep qgemv up to its 8 rows (qgemm rounds x to bf16).
+GEMV_ROWS_BF16 = 2
+
+
+def gemv_rows(x: Tensor) -> int:
+    """The most rows of ``x`` a packed linear layer takes on the GEMV (more: the GEMM)."""
+    return GEMV_ROWS_BF16 if x.dtype == torch.bfloat16 else QGEMV_ROWS
 
 # The MoE of a batched decode step: moe_decode with each launch's grid once a row (every
 # row reads its own k experts), or with ROWS_MOE moe_decode_rows (each chosen expert read
@@ -116,8 +128,8 @@ def linear(x: Tensor, w: Weight, k: Kernels | None, residual: Tensor | None = No
             y = y.to(out_dtype)
         return y if residual is None else y + residual
     if isinstance(w, QuantWeight):
-        if x.shape[0] <= GEMV_ROWS:
-            # (the tensor-core GEMV takes one row; a batched step's rows take qgemv)
+        if x.shape[0] <= gemv_rows(x):
+            # (the tensor-core GEMV takes one row; a few rows take qgemv)
             gemv = qgemv_mma if k.mma and x.shape[0] == 1 and mma_supports(w) else qgemv
             return gemv(x, w, residual=residual, out_dtype=out_dtype, pdl=k.pdl, **prologue)
         if prologue:  # (a batched decode step of more rows than the GEMV takes)
@@ -164,7 +176,7 @@ def out_norm(o: Tensor, w: Weight, x: Tensor, norm_w: Tensor, eps: float,
         return x, rms_norm(x, norm_w, eps)
     if k.step:
         return linear(o, w, k, residual=x), None
-    if isinstance(w, QuantWeight) and o.shape[0] > GEMV_ROWS:
+    if isinstance(w, QuantWeight) and o.shape[0] > gemv_rows(o):
         return add_rmsnorm(linear(o, w, k), x, norm_w, eps)
     x = linear(o, w, k, residual=x)
     return x, rmsnorm(x, norm_w, eps)
