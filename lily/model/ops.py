@@ -70,6 +70,7 @@ def gemv_rows(x: Tensor) -> int:
     """The most rows of ``x`` a packed linear layer takes on the GEMV (more: the GEMM)."""
     return GEMV_ROWS_BF16 if x.dtype == torch.bfloat16 else QGEMV_ROWS
 
+
 # The MoE of a batched decode step: moe_decode with each launch's grid once a row (every
 # row reads its own k experts), or with ROWS_MOE moe_decode_rows (each chosen expert read
 # once for all the rows that chose it). On the H200 (bench/results/moe_rows_h200.json, us
