@@ -53,6 +53,8 @@ if HAS_KERNELS:
     from lily.ops.qgemv import MAX_ROWS as QGEMV_ROWS  # the most rows the GEMV takes
     from lily.ops.qgemv import qgemv
     from lily.ops.qgemv_mma import mma_supports, qgemv_mma
+    from lily.ops.qgemv_mma_rows import MAX_ROWS as MMA_ROWS
+    from lily.ops.qgemv_mma_rows import qgemv_mma_rows
     from lily.ops.rmsnorm import add_rmsnorm, rmsnorm
 
 
@@ -64,6 +66,20 @@ MAX_ROWS = MAX_RUNNING  # sequences one batched decode step may hold (the DeltaN
 # .json): a batched step of 3-8 rows on qgemv spent about 4x a projection's time. Other
 # dtypes keep qgemv up to its 8 rows (qgemm rounds x to bf16).
 GEMV_ROWS_BF16 = 2
+
+
+# A batched step's bf16 rows on the tensor-core GEMV with the rows as the MMA's columns
+# (qgemv_mma_rows: the weight tile read once for all rows) instead of the GEMM past
+# GEMV_ROWS_BF16: predicted near one row's time at up to 8 rows, not yet measured
+# (docs/notes/batching.md; `lily bench --run kernels.gemv_rows`).
+ROWS_MMA = False
+
+
+def rows_mma(x: Tensor, w: Weight, k: Kernels) -> bool:
+    """Whether a batched step's rows ``x`` take qgemv_mma_rows for the packed ``w``."""
+    return (ROWS_MMA and k.step and k.mma and 2 <= x.shape[0] <= MMA_ROWS
+            and x.dtype == torch.bfloat16 and isinstance(w, QuantWeight)
+            and mma_supports(w))  # fmt: skip
 
 
 def gemv_rows(x: Tensor) -> int:
@@ -129,6 +145,9 @@ def linear(x: Tensor, w: Weight, k: Kernels | None, residual: Tensor | None = No
             y = y.to(out_dtype)
         return y if residual is None else y + residual
     if isinstance(w, QuantWeight):
+        if rows_mma(x, w, k):
+            return qgemv_mma_rows(x, w, residual=residual, out_dtype=out_dtype, pdl=k.pdl,
+                                  **prologue)  # fmt: skip
         if x.shape[0] <= gemv_rows(x):
             # (the tensor-core GEMV takes one row; a few rows take qgemv)
             gemv = qgemv_mma if k.mma and x.shape[0] == 1 and mma_supports(w) else qgemv
@@ -187,11 +206,11 @@ def head(x: Tensor, norm_w: Tensor, w: Weight, eps: float, k: Kernels | None) ->
     """fp32 logits (T, V) of the final RMSNorm of x (T, D)."""
     if k is None:
         return ref_linear(rms_norm(x, norm_w, eps), w).float()
-    if k.step and isinstance(w, QuantWeight) and not (k.mma and x.shape[0] == 1
-                                                      and mma_supports(w)):  # fmt: skip
+    one_mma = k.mma and x.shape[0] == 1 and isinstance(w, QuantWeight) and mma_supports(w)
+    if k.step and isinstance(w, QuantWeight) and not (one_mma or rows_mma(x, w, k)):
         return linear(x, w, k, out_dtype=torch.float32, norm_weight=norm_w, eps=eps)
     # On the tensor cores the norm gets its own launch: in the GEMV's prologue each of
-    # ~7,800 programs redid it (95 against 89 us).
+    # ~7,800 programs redid it (95 against 89 us), and the rows' GEMV would redo B rows.
     return linear(rmsnorm(x, norm_w, eps), w, k, out_dtype=torch.float32)
 
 

@@ -138,8 +138,6 @@ def test_every_kernel_is_in_the_matrix():
     # engine runs method="chunk" (bench/gpu_mixer_kernels.py times the others).
     unused = {("lily.ops.deltanet_recurrence", n)
               for n in ("_scan_kernel", "_chunk_state_kernel", "_chunk_out_kernel")}  # fmt: skip
-    # The batched decode step's tensor-core GEMV (not yet dispatched: branch h22m).
-    unused.add(("lily.ops.qgemv_mma_rows", "_qgemv_mma_rows_kernel"))
     assert kernels - seen == unused
     assert seen <= kernels
 

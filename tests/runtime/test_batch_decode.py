@@ -155,11 +155,12 @@ def test_kernel_rows_match_kernel_single_steps(checkpoint, graphs):
         assert {k[:2] for k in runner.graphs if k[0] == "rows"} == {("rows", 3), ("rows", 4)}
 
 
-@pytest.mark.parametrize("rows_moe", [False, True], ids=["moe_decode", "moe_decode_rows"])
+@pytest.mark.parametrize("rows_moe", [False, True], ids=["default", "rows_switches"])
 def test_model_rows_on_the_kernels_equal_each_row_alone(monkeypatch, rows_moe):
     """Model.run over Rows on the kernels (the Triton interpreter on the CPU; bf16, so
     every layer's MoE takes the batched step's kernel: moe_decode over the rows, or with
-    ROWS_MOE moe_decode_rows, and the mixers their row tables) against Model.run of each
+    ROWS_MOE moe_decode_rows and with ROWS_MMA the projections and head on
+    qgemv_mma_rows; the mixers their row tables) against Model.run of each
     row alone on the kernels' one-sequence step (moe_decode of one row): the last layer's
     output of every row. Rows at different positions over states prefilled (by the
     reference path) from different prompts. Two layers, one of each kind, of the tiny
@@ -188,6 +189,11 @@ def test_model_rows_on_the_kernels_equal_each_row_alone(monkeypatch, rows_moe):
     name = "moe_decode_rows" if rows_moe else "moe_decode"
     real = getattr(model_ops, name)
     monkeypatch.setattr(model_ops, "ROWS_MOE", rows_moe)
+    monkeypatch.setattr(model_ops, "ROWS_MMA", rows_moe)
+    mma_rows = []
+    real_mma = model_ops.qgemv_mma_rows
+    monkeypatch.setattr(model_ops, "qgemv_mma_rows",
+                        lambda x, *a, **k: mma_rows.append(len(x)) or real_mma(x, *a, **k))
     monkeypatch.setattr(
         model_ops, name, lambda x, *a, **k: rows_seen.append(len(x)) or real(x, *a, **k)
     )
@@ -197,6 +203,8 @@ def test_model_rows_on_the_kernels_equal_each_row_alone(monkeypatch, rows_moe):
     with torch.inference_mode():
         got, _ = model.run(torch.tensor(toks, device=dev), rows, starts, bound, step=True)
         assert rows_seen == [3] * cfg.num_hidden_layers  # every layer's MoE, all rows at once
+        # with ROWS_MMA every packed projection and the head: more than one a layer
+        assert (len(mma_rows) > cfg.num_hidden_layers) == rows_moe and set(mma_rows) <= {3}
         monkeypatch.setattr(model_ops, name, real)
         for r, (p, st) in enumerate(zip(prompts, alone, strict=True)):
             want, _ = model.run(torch.tensor(toks[r : r + 1], device=dev), st, len(p), bound,
