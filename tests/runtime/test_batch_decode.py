@@ -192,8 +192,11 @@ def test_model_rows_on_the_kernels_equal_each_row_alone(monkeypatch, rows_moe):
     monkeypatch.setattr(model_ops, "ROWS_MMA", rows_moe)
     mma_rows = []
     real_mma = model_ops.qgemv_mma_rows
-    monkeypatch.setattr(model_ops, "qgemv_mma_rows",
-                        lambda x, *a, **k: mma_rows.append(len(x)) or real_mma(x, *a, **k))
+    monkeypatch.setattr(
+        model_ops,
+        "qgemv_mma_rows",
+        lambda x, *a, **k: mma_rows.append(len(x)) or real_mma(x, *a, **k),
+    )
     monkeypatch.setattr(
         model_ops, name, lambda x, *a, **k: rows_seen.append(len(x)) or real(x, *a, **k)
     )
