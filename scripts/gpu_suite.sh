@@ -25,6 +25,9 @@ python3 -c "import openai, anthropic, fastapi, uvicorn, llguidance, jsonschema
 openai.OpenAI(api_key='x', base_url='http://127.0.0.1:1'); anthropic.Anthropic(api_key='x')" \
     || { echo "the carried wheels are incomplete: run scripts/gpu_wheels.sh" >&2; exit 3; }
 export LILY_COMPILE_WORKERS=${LILY_COMPILE_WORKERS:-3}
+# this machine's compile-matrix results, by arch, to commit as
+# tests/ops/compile_matrix_results_gpu_machine.json (python3 scripts/matrix_merge.py)
+export LILY_COMPILE_MATRIX_SAVE=${LILY_COMPILE_MATRIX_SAVE:-$out/matrix}
 t0=$(date +%s)
 timeout "$limit" python3 -m pytest -v -n 12 -ra --timeout 300 -p no:cacheprovider \
     --junitxml="$out/suite_$half.xml" "${paths[@]}" > "$out/suite_$half.txt" 2>&1

@@ -92,12 +92,12 @@ class Server:
 class Load:
     """Streams against ``url`` with the official client; ``vocab`` for the prompt ids."""
 
-    def __init__(self, url: str, vocab: int, temperature: float | None = 0.0):
+    def __init__(self, url: str, vocab: int, sampled: bool = False):
         from openai import OpenAI
 
         self.client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
         self.vocab = vocab
-        self.temperature = temperature
+        self.sampled = sampled
         self._seed = 1000
 
     def prompt(self, n: int) -> list[int]:
@@ -109,8 +109,11 @@ class Load:
         """Stream one completion into ``out`` (until done, or ``stop`` is set)."""
         extra: dict[str, Any] = {"ignore_eos": True}
         kw: dict[str, Any] = {}
-        if self.temperature is not None:
-            kw["temperature"] = self.temperature
+        if self.sampled:  # what agents send: Qwen3's recommended thinking-mode sampling
+            kw |= {"temperature": 0.6, "top_p": 0.95}
+            extra["top_k"] = 20
+        else:
+            kw["temperature"] = 0.0
         try:
             out.sent = time.perf_counter()
             resp = self.client.completions.create(

@@ -47,13 +47,14 @@ def test_a_stream_of_mostly_textless_tokens_is_an_error_not_a_rate():
     assert "total_tok_s" not in r
 
 
-def test_the_script_runs_on_the_cpu(tmp_path):
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_the_script_runs_on_the_cpu(tmp_path, sampled):
     from lily.bench.gpu.e2e.concurrency import main
 
     out, md = tmp_path / "c.json", tmp_path / "c.md"
     assert main(["--tiny", "--concurrency", "1,2", "--prompt", "12", "--max-tokens", "6",
                  "--busy", "2", "--busy-tokens", "400", "--repeats", "1", "--no-warmup",
-                 "--out", str(out), "--md", str(md)]) == 0  # fmt: skip
+                 "--out", str(out), "--md", str(md)] + ["--sampled"] * sampled) == 0  # fmt: skip
     res = json.loads(out.read_text())
     assert [r["concurrency"] for r in res["rounds"]] == [1, 2]
     for r in res["rounds"]:

@@ -12,7 +12,10 @@ Tiers (LILY_COMPILE_MATRIX):
 - ``full``: also the 8-bit checkpoints and fp32 activations, every config compiled afresh.
 LILY_COMPILE_WORKERS sets how many processes compile (2). LILY_COMPILE_MATRIX_SAVE=1
 writes this run's results to ``STORED`` (run it with the ``ci`` tier after changing a
-kernel, and commit the file).
+kernel, and commit the file). A machine whose Triton build or ptxas differs (the lent GPU
+machine) has keys of its own: LILY_COMPILE_MATRIX_SAVE=DIR writes each arch's results
+there as it is checked (scripts/gpu_suite.sh does), to be committed beside ``STORED`` as
+``compile_matrix_results_<machine>.json``; every such file is read too.
 Compiles run in two spawned worker processes (the interpreter the other CPU tests use
 cannot compile) and land in Triton's cache too.
 """
@@ -52,6 +55,14 @@ if TIER not in TIERS:
 STORED = Path(__file__).with_name("compile_matrix_results.json")
 
 
+def stored_results() -> dict[str, dict]:
+    """``STORED`` and the other machines' files beside it, by key."""
+    out: dict[str, dict] = {}
+    for path in sorted(STORED.parent.glob("compile_matrix_results_*.json")) + [STORED]:
+        out |= load_results(path)
+    return out
+
+
 # Two compile processes suit CI's two cores. A machine whose Triton build or ptxas differs
 # from the one that stored the results (the lent GPU machine) compiles every config again:
 # scripts/gpu_suite.sh gives it more (LILY_COMPILE_WORKERS).
@@ -74,7 +85,7 @@ def matrix_results(arch: str, pool) -> list[Result]:
         t0 = time.perf_counter()
         found = configs(TIERS[TIER], ARCHS[arch])
         jobs = list(found.values())
-        stored = load_results(STORED) if TIER == "ci" else {}
+        stored = stored_results() if TIER == "ci" else {}
         res = check_all([(launch, arch) for launch, _ in jobs], pool, stored)
         for r, (_, where) in zip(res, jobs, strict=True):
             r.cases = where
@@ -84,9 +95,13 @@ def matrix_results(arch: str, pool) -> list[Result]:
               f"{len(res) - kept} compiled in {cpu:.0f} CPU-s, "
               f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
         _results[arch] = res
-        if os.environ.get("LILY_COMPILE_MATRIX_SAVE") and len(_results) == len(ARCHS):
+        save = os.environ.get("LILY_COMPILE_MATRIX_SAVE", "")
+        if save == "1" and len(_results) == len(ARCHS):
             n = save_results(STORED, [r for rs in _results.values() for r in rs])
             print(f"{n} results written to {STORED}")
+        elif save not in ("", "0", "1"):  # a folder: this arch's results, as checked here
+            Path(save).mkdir(parents=True, exist_ok=True)
+            save_results(Path(save) / f"compile_matrix_results_{arch}.json", res)
     return _results[arch]
 
 
@@ -206,3 +221,25 @@ def test_workers_compile_each_arch_as_its_gpu_does(pool, monkeypatch):
         got = forced_pool.executor.submit(launch_key, launch, "sm_90").result()
         assert forced_pool.executor.submit(os.getenv, "DISABLE_MMA_V3").result() is None
     assert got == want
+
+
+def test_a_machines_results_merge_into_one_file(pool, tmp_path):
+    """What scripts/gpu_suite.sh keeps of another machine's matrix (one file an arch) merges
+    into one file that the matrix reads back: every key of every arch, with its figures."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "matrix_merge", Path(__file__).parents[2] / "scripts" / "matrix_merge.py"
+    )
+    merge = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(merge)
+    results = {arch: matrix_results(arch, pool) for arch in ARCHS}
+    for arch, res in results.items():
+        save_results(tmp_path / f"compile_matrix_results_{arch}.json", res)
+    out = tmp_path / "merged.json"
+    assert merge.main([str(tmp_path), str(out)]) == 0
+    merged = load_results(out)
+    assert set(merged) == {r.key for res in results.values() for r in res if r.key}
+    some = results["sm_89"][0]
+    assert merged[some.key]["regs"] == some.regs and merged[some.key]["arch"] == "sm_89"
+    assert merge.main([str(tmp_path / "nothing"), str(out)]) == 1

@@ -39,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-chunk", type=int, default=None)
     ap.add_argument("--max-context", type=int, default=65536)
     ap.add_argument(
-        "--sampled", action="store_true", help="the server's default sampling (default: greedy)"
+        "--sampled",
+        action="store_true",
+        help="temperature 0.6, top-p 0.95, top-k 20 on the device (default: greedy)",
     )
     ap.add_argument(
         "--rows-mma",
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     conc = [int(c) for c in args.concurrency.split(",")]
     server = serve_load.Server(engine, args.max_running)
     try:
-        load = serve_load.Load(server.url, cfg.vocab_size, None if args.sampled else 0.0)
+        load = serve_load.Load(server.url, cfg.vocab_size, args.sampled)
         passes = [False] if args.no_warmup else [True, False]
         for warm in passes:
             n = min(args.max_tokens, 16) if warm else args.max_tokens
