@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(v)
     try:
-        from lily.server.app import add_serve_args, run_server
+        from lily.server.serve_cli import add_serve_args, run_server
     except ImportError as e:  # the server's web stack is not installed here
         missing = str(e)
 

@@ -19,7 +19,7 @@ import time
 
 from lily.cli import build_parser
 from lily.engine_args import engine_config, load_engine
-from lily.server.app import run_server
+from lily.server.serve_cli import run_server
 
 
 class HookedBatch:

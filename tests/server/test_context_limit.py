@@ -57,7 +57,7 @@ def test_auto_context_is_said_at_start_and_enforced(tmp_path, monkeypatch, caplo
 def test_health_waits_for_the_warm_up_and_the_flag_skips_it(tmp_path, monkeypatch):
     from lily.cli import build_parser
     from lily.runtime import warmup
-    from lily.server.app import settings_from_args
+    from lily.server.serve_cli import settings_from_args
 
     write_random_checkpoint(tmp_path, TINY_TEXT_CONFIG, "mlx4", seed=0, progress=False)
     engine = Engine.load(tmp_path, EngineConfig(max_context=256), progress=False)

@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from lily.server.app import add_serve_args, settings_from_args
+from lily.server.serve_cli import add_serve_args, settings_from_args
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -12,8 +12,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+import triton
 from triton.testing import do_bench
 
 from lily.bench.measure import capture_graph
@@ -243,3 +245,34 @@ def table(rows: list[dict], cols: list[str]) -> str:
         else:
             lines.append(" | ".join(fmt(r.get(c)) for c in cols))
     return "\n".join(lines)
+
+
+def compile_sm90(fn, args, const: dict, opts: dict, aligned_tensors: bool):
+    """Compile a recorded launch (a JIT function, its arguments, constexprs and options)
+    for sm_90 on the host, as ``--compile-only`` reports it: the signature from the
+    arguments' types, 16-byte divisibility for an int that is a multiple of 16 and for a
+    tensor (every one with ``aligned_tensors``, as the engine's buffers are; else by its
+    address)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    types = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32",
+             torch.int64: "*i64"}  # fmt: skip
+    sig, attrs = {}, {}
+    for i, (name, v) in enumerate(zip(fn.arg_names, args, strict=False)):
+        if isinstance(v, torch.Tensor):
+            sig[name] = types[v.dtype]
+            aligned = aligned_tensors or v.data_ptr() % 16 == 0
+        else:
+            sig[name] = "fp32" if isinstance(v, float) else "i32"
+            aligned = isinstance(v, int) and v % 16 == 0
+        if aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    sig.update({k: "constexpr" for k in const})
+    src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def cuobjdump() -> str:
+    """The cuobjdump Triton ships (reads a cubin's registers and SASS)."""
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")

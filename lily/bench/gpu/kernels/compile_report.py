@@ -10,7 +10,6 @@ import contextlib
 import subprocess
 
 import torch
-import triton
 
 from lily.bench.gpu.kernels.common import (
     BF16,
@@ -30,6 +29,8 @@ from lily.bench.gpu.kernels.common import (
     E,
     Sweeps,
     cfg_str,
+    compile_sm90,
+    cuobjdump,
     zero_qweight,
 )
 from lily.ops.moe_decode import MoeDecodeConfig, moe_decode
@@ -69,8 +70,6 @@ def compile_report(only: set[str], sweeps: Sweeps, sass_dir: str | None = None) 
     import tempfile
     from pathlib import Path
 
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
     from lily.ops.launch import Launched
@@ -155,8 +154,6 @@ def compile_report(only: set[str], sweeps: Sweeps, sass_dir: str | None = None) 
     finally:
         JITFunction.__getitem__, Launched.launch = real_getitem, real_launch
 
-    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    types = {BF16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32", torch.int64: "*i64"}
     rows, seen, label = [], set(), ""
     for item in launches:
         if isinstance(item, str):
@@ -176,24 +173,13 @@ def compile_report(only: set[str], sweeps: Sweeps, sass_dir: str | None = None) 
         if key in seen:
             continue
         seen.add(key)
-        sig, attrs = {}, {}
-        for i, (name, v) in enumerate(zip(fn.arg_names, a, strict=False)):
-            if isinstance(v, torch.Tensor):
-                sig[name], aligned = types[v.dtype], True
-            else:
-                sig[name] = "fp32" if isinstance(v, float) else "i32"
-                aligned = isinstance(v, int) and v % 16 == 0
-            if aligned:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        sig.update({k: "constexpr" for k in const})
         row = {"kernel": fn.__name__, "config": label, **opts}
         try:
-            src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
-            c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+            c = compile_sm90(fn, a, const, opts, aligned_tensors=True)
             with tempfile.TemporaryDirectory() as tmp:
                 cubin = Path(tmp) / "k.cubin"
                 cubin.write_bytes(c.asm["cubin"])
-                tool = str(bin_dir / "cuobjdump")
+                tool = cuobjdump()
                 res = subprocess.run([tool, "--dump-resource-usage", str(cubin)],
                                      capture_output=True, text=True).stdout  # fmt: skip
                 sass = subprocess.run([tool, "--dump-sass", str(cubin)], capture_output=True,

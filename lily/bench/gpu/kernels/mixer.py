@@ -34,7 +34,7 @@ from datetime import UTC, datetime
 import torch
 import triton
 
-from lily.bench.gpu.kernels.common import DEV, ceilings
+from lily.bench.gpu.kernels.common import DEV, ceilings, compile_sm90, cuobjdump
 from lily.bench.gpu.kernels.mixer_attention import (
     ATTN_PREFILL_CONFIGS,
     ATTN_SPLIT_SHAPES,
@@ -75,10 +75,7 @@ def compile_report() -> list[dict]:
     """
     import re
     import tempfile
-    from pathlib import Path
 
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
     launches = []
@@ -106,9 +103,6 @@ def compile_report() -> list[dict]:
     finally:
         JITFunction.__getitem__ = launch
 
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    types = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32",
-             torch.int64: "*i64"}  # fmt: skip
     rows, seen, label = [], set(), ""
     for item in launches:
         if isinstance(item, str):
@@ -121,25 +115,13 @@ def compile_report() -> list[dict]:
         if key in seen:
             continue
         seen.add(key)
-        sig, attrs = {}, {}
-        for i, (name, v) in enumerate(zip(fn.arg_names, args, strict=False)):
-            if isinstance(v, torch.Tensor):
-                sig[name] = types[v.dtype]
-                aligned = v.data_ptr() % 16 == 0
-            else:
-                sig[name] = "fp32" if isinstance(v, float) else "i32"
-                aligned = isinstance(v, int) and v % 16 == 0
-            if aligned:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        sig.update({k: "constexpr" for k in const})
         row = {"kernel": fn.__name__, "config": label, **opts}
         try:
-            src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
-            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+            k = compile_sm90(fn, args, const, opts, aligned_tensors=False)
             with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
                 f.write(k.asm["cubin"])
                 f.flush()
-                res = subprocess.run([str(cuobjdump), "-res-usage", f.name], text=True,
+                res = subprocess.run([cuobjdump(), "-res-usage", f.name], text=True,
                                      capture_output=True).stdout  # fmt: skip
             m = re.search(r"REG:(\d+) STACK:(\d+)", res)
             ptx = k.asm["ptx"]
