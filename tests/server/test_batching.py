@@ -85,18 +85,32 @@ def stream_text(c: httpx.Client, b: dict, leave_after: int | None = None) -> tup
     return 200, text
 
 
-def client_run(url: str, seed: int, alone, rounds: int = ROUNDS) -> list[str]:
-    """One client's requests; the problems seen (empty: all good)."""
+def client_plan(seed: int, alone, rounds: int = ROUNDS) -> list[tuple]:
+    """One client's requests and what each must answer (the same request run alone), made
+    before any is sent: the references run one at a time in this process, and made between
+    a client's requests they throttled how many reached the server at once."""
     rng = random.Random(seed)
+    ids = [rng.randrange(3, 500) for _ in range(rng.choice([3, 20, 150, 400]))]
+    plan = []
+    for turn in range(rounds):
+        b = body(ids, rng)
+        sampling = {k: v for k, v in b.items() if k != "prompt"}
+        want, toks = alone(ids, **sampling)
+        kind = rng.random()
+        plan.append((turn, b, want, kind))
+        if kind < 0.2:  # a client that goes away mid-stream: the next request repeats it
+            continue
+        # the next turn continues this conversation: its answer and a new message
+        ids = ids + toks + [rng.randrange(3, 500) for _ in range(rng.choice([2, 30]))]
+    return plan
+
+
+def client_run(url: str, plan: list[tuple]) -> list[str]:
+    """One client's requests (``client_plan``); the problems seen (empty: all good)."""
     problems = []
     with httpx.Client(base_url=url, timeout=120, headers=AUTH) as c:
-        ids = [rng.randrange(3, 500) for _ in range(rng.choice([3, 20, 150, 400]))]
         continued = False  # this request continues the previous answer
-        for turn in range(rounds):
-            b = body(ids, rng)
-            sampling = {k: v for k, v in b.items() if k != "prompt"}
-            want, toks = alone(ids, **sampling)
-            kind = rng.random()
+        for turn, b, want, kind in plan:
             if kind < 0.2:  # a client that goes away mid-stream
                 status, text = stream_text(c, b, leave_after=2)
                 if status != 200 or not want.startswith(text):
@@ -114,16 +128,14 @@ def client_run(url: str, seed: int, alone, rounds: int = ROUNDS) -> list[str]:
                     problems.append("a continued conversation reused nothing")
             if status != 200 or text != want:
                 problems.append(f"turn {turn}: {status}: {text!r} != {want!r}")
-            # the next turn continues this conversation: its answer and a new message
-            ids = ids + toks + [rng.randrange(3, 500) for _ in range(rng.choice([2, 30]))]
             continued = True
     return problems
 
 
 def run_clients(url: str, alone, base_seed: int, rounds: int = ROUNDS) -> list[str]:
+    plans = [client_plan(base_seed + i, alone, rounds) for i in range(CLIENTS)]
     with ThreadPoolExecutor(CLIENTS) as pool:
-        futures = [pool.submit(client_run, url, base_seed + i, alone, rounds)
-                   for i in range(CLIENTS)]  # fmt: skip
+        futures = [pool.submit(client_run, url, plan) for plan in plans]
         return [p for f in futures for p in f.result()]
 
 
