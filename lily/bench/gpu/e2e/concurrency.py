@@ -44,9 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         help="temperature 0.6, top-p 0.95, top-k 20 on the device (default: greedy)",
     )
     ap.add_argument(
-        "--rows-mma",
+        "--no-rows-mma",
         action="store_true",
-        help="A/B: the batched step's projections on qgemv_mma_rows (ROWS_MMA)",
+        help="A/B: the batched step's projections on qgemv/qgemm, not qgemv_mma_rows (ROWS_MMA)",
     )
     ap.add_argument(
         "--rows-moe",
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     from lily.bench.source import engine_from_params
     from lily.config import EngineConfig
 
-    model_ops.ROWS_MMA = model_ops.ROWS_MMA or args.rows_mma
+    model_ops.ROWS_MMA = model_ops.ROWS_MMA and not args.no_rows_mma
     model_ops.ROWS_MOE = model_ops.ROWS_MOE or args.rows_moe
     if not args.tiny and not torch.cuda.is_available():
         print("no CUDA device: run with --tiny for a CPU check", file=sys.stderr)
