@@ -50,13 +50,53 @@ if HAS_KERNELS:
     from lily.ops.moe_prefill import moe_prefill
     from lily.ops.norm_rope import rope_inv_freq
     from lily.ops.qgemm import qgemm
-    from lily.ops.qgemv import MAX_ROWS as GEMV_ROWS  # rows at or below run through the GEMV
+    from lily.ops.qgemv import MAX_ROWS as QGEMV_ROWS  # the most rows the GEMV takes
     from lily.ops.qgemv import qgemv
     from lily.ops.qgemv_mma import mma_supports, qgemv_mma
+    from lily.ops.qgemv_mma_rows import MAX_ROWS as MMA_ROWS
+    from lily.ops.qgemv_mma_rows import qgemv_mma_rows
     from lily.ops.rmsnorm import add_rmsnorm, rmsnorm
 
 
 MAX_ROWS = MAX_RUNNING  # sequences one batched decode step may hold (the DeltaNet scratch's rows)
+
+# bf16 rows at or below this run through the FMA GEMV (qgemv), more through the GEMM. On the
+# H200 the 8192 x 2048 projection took 15 us on qgemv at 2 rows against 22 on qgemm, but 38
+# against 22 at 4 and 94 against 22-29 at 8 (bench/results/linear_kernels_h200_run4_stream
+# .json): a batched step of 3-8 rows on qgemv spent about 4x a projection's time. Other
+# dtypes keep qgemv up to its 8 rows (qgemm rounds x to bf16).
+GEMV_ROWS_BF16 = 2
+
+
+# A batched step's bf16 rows on the tensor-core GEMV with the rows as the MMA's columns
+# (qgemv_mma_rows: the weight tile read once for all rows) instead of the GEMM past
+# GEMV_ROWS_BF16. On the H200 (docs/notes/batching.md, fifth session) the full model's
+# batched step took 2.51/3.40/5.08 ms at 2/4/8 rows on it against 2.76/4.80/6.57 on
+# qgemv/qgemm (its projections 1.17 ms a step against 2.36 at 8 rows), and each row's
+# logits came out bitwise equal to the one-row step's.
+ROWS_MMA = True
+
+
+def rows_mma(x: Tensor, w: Weight, k: Kernels) -> bool:
+    """Whether a batched step's rows ``x`` take qgemv_mma_rows for the packed ``w``."""
+    return (ROWS_MMA and k.step and k.mma and 2 <= x.shape[0] <= MMA_ROWS
+            and x.dtype == torch.bfloat16 and isinstance(w, QuantWeight)
+            and mma_supports(w))  # fmt: skip
+
+
+def gemv_rows(x: Tensor) -> int:
+    """The most rows of ``x`` a packed linear layer takes on the GEMV (more: the GEMM)."""
+    return GEMV_ROWS_BF16 if x.dtype == torch.bfloat16 else QGEMV_ROWS
+
+
+# The MoE of a batched decode step: moe_decode with each launch's grid once a row (every
+# row reads its own k experts), or with ROWS_MOE moe_decode_rows (each chosen expert read
+# once for all the rows that chose it). On the H200 (bench/results/moe_rows_h200.json, us
+# a layer) moe_decode_rows lost to B one-row moe_decode calls in a row at every B up to 8
+# (2: 53 against 32; 8: 132 against 121) and to rmsnorm + moe_prefill at 16 (390 against
+# 189): it is latency-bound (41 us at one row against moe_decode's 17.5), not byte-bound.
+# The row grid runs those B calls' programs side by side; docs/notes/batching.md.
+ROWS_MOE = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,8 +147,11 @@ def linear(x: Tensor, w: Weight, k: Kernels | None, residual: Tensor | None = No
             y = y.to(out_dtype)
         return y if residual is None else y + residual
     if isinstance(w, QuantWeight):
-        if x.shape[0] <= GEMV_ROWS:
-            # (the tensor-core GEMV takes one row; a batched step's rows take qgemv)
+        if rows_mma(x, w, k):
+            return qgemv_mma_rows(x, w, residual=residual, out_dtype=out_dtype, pdl=k.pdl,
+                                  **prologue)  # fmt: skip
+        if x.shape[0] <= gemv_rows(x):
+            # (the tensor-core GEMV takes one row; a few rows take qgemv)
             gemv = qgemv_mma if k.mma and x.shape[0] == 1 and mma_supports(w) else qgemv
             return gemv(x, w, residual=residual, out_dtype=out_dtype, pdl=k.pdl, **prologue)
         if prologue:  # (a batched decode step of more rows than the GEMV takes)
@@ -155,7 +198,7 @@ def out_norm(o: Tensor, w: Weight, x: Tensor, norm_w: Tensor, eps: float,
         return x, rms_norm(x, norm_w, eps)
     if k.step:
         return linear(o, w, k, residual=x), None
-    if isinstance(w, QuantWeight) and o.shape[0] > GEMV_ROWS:
+    if isinstance(w, QuantWeight) and o.shape[0] > gemv_rows(o):
         return add_rmsnorm(linear(o, w, k), x, norm_w, eps)
     x = linear(o, w, k, residual=x)
     return x, rmsnorm(x, norm_w, eps)
@@ -165,11 +208,11 @@ def head(x: Tensor, norm_w: Tensor, w: Weight, eps: float, k: Kernels | None) ->
     """fp32 logits (T, V) of the final RMSNorm of x (T, D)."""
     if k is None:
         return ref_linear(rms_norm(x, norm_w, eps), w).float()
-    if k.step and isinstance(w, QuantWeight) and not (k.mma and x.shape[0] == 1
-                                                      and mma_supports(w)):  # fmt: skip
+    one_mma = k.mma and x.shape[0] == 1 and isinstance(w, QuantWeight) and mma_supports(w)
+    if k.step and isinstance(w, QuantWeight) and not (one_mma or rows_mma(x, w, k)):
         return linear(x, w, k, out_dtype=torch.float32, norm_weight=norm_w, eps=eps)
     # On the tensor cores the norm gets its own launch: in the GEMV's prologue each of
-    # ~7,800 programs redid it (95 against 89 us).
+    # ~7,800 programs redid it (95 against 89 us), and the rows' GEMV would redo B rows.
     return linear(rmsnorm(x, norm_w, eps), w, k, out_dtype=torch.float32)
 
 
@@ -252,9 +295,9 @@ def moe(x: Tensor, h: Tensor | None, norm_w: Tensor, m: MoEWeights, next_norm: T
     """``x + moe(h)`` with ``h = rmsnorm(x) * norm_w`` (``h`` when given), and with
     ``next_norm`` also its RMSNorm by that weight (the next layer's input) where the kernel
     makes it in its last launch (a prefill chunk), else None. Three launches for one row
-    (the norm in the first one's prologue when ``h`` is None), four for the rows of a
-    batched decode step (bf16, 4-bit experts: moe_decode_rows, each chosen expert read once
-    for all its rows; else moe_prefill), routing on the GPU. The MoE kernels take packed
+    (the norm in the first one's prologue when ``h`` is None), the same three for the rows
+    of a batched decode step (their grids once a row; ROWS_MOE: moe_decode_rows), routing
+    on the GPU. The MoE kernels take packed
     experts; dense ones (an unquantized checkpoint) take the reference (not
     graph-capturable: ``Model.capturable``)."""
     eps, top_k = cfg.rms_norm_eps, cfg.num_experts_per_tok
@@ -265,14 +308,7 @@ def moe(x: Tensor, h: Tensor | None, norm_w: Tensor, m: MoEWeights, next_norm: T
             h = rms_norm(x, norm_w, eps)
         x = x + sparse_moe(h, *w, top_k, cfg.norm_topk_prob)
         return x, None if next_norm is None else rms_norm(x, next_norm, eps)
-    if x.shape[0] == 1:
-        if h is None:
-            y = moe_decode(x[0], *w, top_k=top_k, residual=x[0], norm_weight=norm_w, eps=eps,
-                           pdl=k.pdl)  # fmt: skip
-        else:
-            y = moe_decode(h[0], *w, top_k=top_k, residual=x[0])
-        return y[None], None
-    if k.step and rows_fit(x, m.gate_proj, m.up_proj, m.down_proj, w[4:7]):
+    if k.step and ROWS_MOE and rows_fit(x, m.gate_proj, m.up_proj, m.down_proj, w[4:7]):
         # A batched decode step: each chosen expert read once for the rows that chose it.
         if h is None:
             y = moe_decode_rows(x, *w, top_k=top_k, residual=x, norm_weight=norm_w, eps=eps,
@@ -280,7 +316,15 @@ def moe(x: Tensor, h: Tensor | None, norm_w: Tensor, m: MoEWeights, next_norm: T
         else:
             y = moe_decode_rows(h, *w, top_k=top_k, residual=x, pdl=k.pdl)
         return y, None
-    if h is None:  # a decode step of several rows: no GEMV prologue made the norm
+    if k.step or x.shape[0] == 1:
+        # One row, or a batched decode step's rows (each launch's grid once a row).
+        if h is None:
+            y = moe_decode(x, *w, top_k=top_k, residual=x, norm_weight=norm_w, eps=eps,
+                           pdl=k.pdl)  # fmt: skip
+        else:
+            y = moe_decode(h, *w, top_k=top_k, residual=x)
+        return y, None
+    if h is None:  # no op before made the norm
         h = rmsnorm(x, norm_w, eps)
     if next_norm is None:
         return moe_prefill(h, *w, top_k=top_k, residual=x), None

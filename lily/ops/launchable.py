@@ -169,6 +169,19 @@ def _rows(cfg: ModelConfig, dtype: torch.dtype, runner, arch: Arch, note) -> Non
         with record_launches() as rec:
             runner.decode_rows([0] * b, states(b, lengths[-1]))
         note(f"decode rows B={b} context {lengths[-1]}", rec)
+    # The batched kernels behind the engine's switches (lily/model/ops.py: ROWS_MOE, the
+    # MoE's; ROWS_MMA, the projections' and the head's).
+    import lily.model.ops as model_ops
+
+    default = model_ops.ROWS_MOE, model_ops.ROWS_MMA
+    model_ops.ROWS_MOE, model_ops.ROWS_MMA = True, True
+    try:
+        for b in range(2, MAX_ROWS + 1):
+            with record_launches() as rec:
+                runner.decode_rows([0] * b, states(b, lengths[-1]))
+            note(f"decode rows B={b} context {lengths[-1]}, ROWS_MOE", rec)
+    finally:
+        model_ops.ROWS_MOE, model_ops.ROWS_MMA = default
 
 
 @functools.lru_cache(maxsize=32)

@@ -45,7 +45,13 @@ from lily.ops.launch import (
     use_pdl,
 )
 from lily.ops.moe_decode_mma import mma_fits, moe_mma_experts
-from lily.ops.moe_decode_parts import down_early, down_finish, slot_expert
+from lily.ops.moe_decode_parts import (
+    down_early,
+    down_finish,
+    row_pairs,
+    row_ptrs,
+    slot_expert,
+)
 from lily.ops.norm_rope import sigmoid
 from lily.ops.qgemv import as_f as _as_f
 from lily.ops.qgemv import gemv_block, gemv_tile, load_words, load_x, pdl_wait
@@ -86,7 +92,7 @@ def _gate_up(
 @launched
 @triton.jit
 def _moe_router_kernel(
-    p_x, p_nw, p_logits, p_h,
+    p_x, p_nw, p_logits, p_h, stride_xt, stride_lt, stride_hb,
     p_rw, p_rs, p_rb, stride_rqn, stride_rsn,
     p_cw, p_cs, p_cb,
     p_sgw, p_sgs, p_sgb, p_suw, p_sus, p_sub, stride_sqn, stride_ssn,
@@ -99,6 +105,7 @@ def _moe_router_kernel(
 ):  # fmt: skip
     # Weights first; with PDL, x (the previous kernel's output) only after pdl_wait.
     pid = tl.program_id(0)
+    p_x, p_logits, p_h = row_ptrs(p_x, p_logits, p_h, stride_xt, stride_lt, stride_hb)
     # NOTE: each branch names its own tensors: the compiler (unlike the interpreter) wants a
     # variable assigned in two run-time branches to have one type.
     if pid < R_PROGS:
@@ -137,7 +144,7 @@ def _moe_router_kernel(
 @launched
 @triton.jit
 def _moe_gate_up_kernel(
-    p_x, p_nw, p_logits, p_ids, p_wts, p_h,
+    p_x, p_nw, p_logits, p_ids, p_wts, p_h, stride_xt, stride_lt, stride_hb,
     p_gw, p_gs, p_gb, p_uw, p_us, p_ub, stride_we, stride_se, stride_qn, stride_sn,
     E, D, I_E, stride_h, mask_lo, eps,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BITS: tl.constexpr,
@@ -147,6 +154,8 @@ def _moe_gate_up_kernel(
     pid = tl.program_id(0)
     slot = pid // N_BLOCKS
     i_n = pid % N_BLOCKS
+    p_x, p_logits, p_h = row_ptrs(p_x, p_logits, p_h, stride_xt, stride_lt, stride_hb)
+    p_ids, p_wts = row_pairs(p_ids, p_wts, TOP_K)
     # x first: its loads fly while the top-k runs (the weights must wait for the expert id).
     # NOTE: with PDL, x may be read before pdl_wait: it was written before the router kernel
     # ran, and this kernel starts only once every router program has passed its own wait.
@@ -216,7 +225,7 @@ def _gemv_tile3(b_w, b_s, b_b, b_x, mask_lo, BITS: tl.constexpr, BLOCK_G: tl.con
 @launched
 @triton.jit
 def _moe_down_kernel(
-    p_h, p_ids, p_wts, p_logits, p_res, p_out,
+    p_h, p_ids, p_wts, p_logits, p_res, p_out, stride_xt, stride_lt, stride_hb,
     p_dw, p_ds, p_db, stride_we, stride_se, stride_qn, stride_sn,
     p_sdw, p_sds, p_sdb, stride_sqn, stride_ssn,
     E, D, I_E, I_S, stride_h, mask_lo,
@@ -229,6 +238,9 @@ def _moe_down_kernel(
     WPG: tl.constexpr = GROUP // PER
     BW: tl.constexpr = BLOCK_G * WPG
     i_n = tl.program_id(0)
+    p_res, p_logits, p_h = row_ptrs(p_res, p_logits, p_h, stride_xt, stride_lt, stride_hb)
+    p_out += tl.program_id(1) * stride_xt
+    p_ids, p_wts = row_pairs(p_ids, p_wts, TOP_K)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < D
     o_k = tl.arange(0, BLOCK_K)
@@ -345,11 +357,13 @@ def check_shared(
 
 
 def check_moe(name: str, x: Tensor, weights: tuple, top_k: int, residual: Tensor | None,
-              norm_weight: Tensor | None, dims: int, what: str) -> tuple:  # fmt: skip
+              norm_weight: Tensor | None, dims: int | tuple[int, ...],
+              what: str) -> tuple:  # fmt: skip
     """The checks every MoE launcher makes, with clear errors: the experts' (``weights``:
     router, gate, up, down, shared gate, up, down, shared_expert_gate), the router's and
-    the shared expert's shapes, x (``dims`` dims, ``what`` names the form), top_k, the
-    residual (x's shape) and the norm weight. Returns (E, I, D, I_s, the norm weight)."""
+    the shared expert's shapes, x (``dims`` dims, or one of them; ``what`` names the
+    form), top_k, the residual (x's shape) and the norm weight. Returns (E, I, D, I_s, the
+    norm weight)."""
     router, gate, up, down, *shared = weights
     e, i, d = check_moe_weights(gate, up, down, name)
     check_weight(router, f"{name}: router", 2)
@@ -357,7 +371,7 @@ def check_moe(name: str, x: Tensor, weights: tuple, top_k: int, residual: Tensor
         raise ValueError(f"{name}: router {router.shape} must be (E, D) = ({e}, {d})")
     i_s = check_shared(*shared, gate, d, name)
     check_x(x, d, name, gate.device)
-    if x.dim() != dims:
+    if x.dim() not in ((dims,) if isinstance(dims, int) else dims):
         raise ValueError(f"{name}: x must be {what}, got {tuple(x.shape)}")
     if not 1 <= top_k <= e:
         raise ValueError(f"{name}: top_k {top_k} must be in 1..{e}")
@@ -390,7 +404,10 @@ def moe_decode(
     config: MoeDecodeConfig | None = None,
     pdl: bool = False,
 ) -> Tensor:
-    """``residual + moe(x')`` for one token x (D,) -> (D,) in x's dtype, three launches.
+    """``residual + moe(x')`` for one token x (D,) -> (D,) in x's dtype, three launches;
+    or for one token of each of B sequences, x (B, D) -> (B, D): the same three launches,
+    each with its one-row grid once a row (a batched decode step; every row reads its own
+    k experts, its programs run beside the other rows').
 
     ``x' = rmsnorm(x) * norm_weight`` (fp32 statistics, rounded to x's dtype like the
     unfused norm) when ``norm_weight`` (D,) is given, else x; ``residual`` is added as given
@@ -400,10 +417,13 @@ def moe_decode(
     programmatic dependent launch (Hopper and newer; ignored elsewhere; see lily.ops.qgemv).
     """
     w = (router, gate, up, down, shared_gate, shared_up, shared_down, shared_expert_gate)
-    e, i, d, i_s, norm_weight = check_moe("moe_decode", x, w, top_k, residual, norm_weight, 1,
-                                          "one token (D,)")  # fmt: skip
-    x = x.contiguous()
-    residual = residual.contiguous() if residual is not None else None
+    e, i, d, i_s, norm_weight = check_moe("moe_decode", x, w, top_k, residual, norm_weight,
+                                          (1, 2), "one token (D,) or one a row (B, D)")  # fmt: skip
+    one = x.dim() == 1
+    # (B, D) rows; x, the residual and the output share the row stride D
+    x = x.reshape(-1, x.shape[-1]).contiguous()
+    residual = residual.reshape(x.shape).contiguous() if residual is not None else None
+    b = x.shape[0]
     cfg = config or MoeDecodeConfig()
     dev = x.device
     on_cpu = dev.type == "cpu"
@@ -416,20 +436,22 @@ def moe_decode(
     pdl = use_pdl(pdl, dev)
 
     # 1. router logits, the shared gate's logit (slot E), the shared expert's h (row k).
-    logits = torch.empty(e + 1, dtype=torch.float32, device=dev)
-    h = torch.empty((top_k + 1, max(i, i_s)), dtype=torch.float32, device=dev)
+    # (a row's logits start on 64 bytes, so one row and B rows compile alike)
+    logits = torch.empty((b, cdiv(e + 1, 16) * 16), dtype=torch.float32, device=dev)
+    h = torch.empty((b, top_k + 1, max(i, i_s)), dtype=torch.float32, device=dev)
+    rows = (x.stride(0), logits.stride(0), h.stride(0))
     r_progs = cdiv(e, cfg.router_rows)
     seg = shared_expert_gate if has_shared else router
     sg, su, sd = (shared_gate, shared_up, shared_down) if has_shared else (gate[0], up[0], down[0])
     s_progs = 1 + cdiv(i_s, cfg.shared_rows) if has_shared else 0
-    _moe_router_kernel[(r_progs + s_progs,)](
-        x, nw, logits, h,
+    _moe_router_kernel[(r_progs + s_progs, b)](
+        x, nw, logits, h, *rows,
         router.qweight, router.scales, router.biases, router.qweight.stride(0),
         router.scales.stride(0),
         seg.qweight, seg.scales, seg.biases,
         sg.qweight, sg.scales, sg.biases, su.qweight, su.scales, su.biases,
         sg.qweight.stride(0), sg.scales.stride(0),
-        e, d, i_s, h.stride(0), mask_lo(router.bits), mask_lo(seg.bits), mask_lo(gate.bits),
+        e, d, i_s, h.stride(1), mask_lo(router.bits), mask_lo(seg.bits), mask_lo(gate.bits),
         float(eps),
         TOP_K=top_k, R_PROGS=r_progs, R_BN=cfg.router_rows, R_BITS=router.bits,
         R_GROUP=router.group_size, R_BG=_whole(d, router.group_size), C_BITS=seg.bits,
@@ -440,37 +462,37 @@ def moe_decode(
     )  # fmt: skip
 
     # 2. top-k in every program, routed gate/up; program 0 writes the (expert, weight) pairs.
-    ids = torch.empty(top_k, dtype=torch.int32, device=dev)
-    wts = torch.empty(top_k, dtype=torch.float32, device=dev)
-    out = torch.empty(d, dtype=x.dtype, device=dev)
+    ids = torch.empty((b, top_k), dtype=torch.int32, device=dev)
+    wts = torch.empty((b, top_k), dtype=torch.float32, device=dev)
+    out = torch.empty((b, d), dtype=x.dtype, device=dev)
     res = residual if residual is not None else out
     if cfg.mma and all(mma_fits(w) for w in (gate, up, down)):
         moe_mma_experts(x, nw, logits, ids, wts, h, res, out, gate, up, down, sd, e, d, i, i_s,
                         top_k, eps, cfg, has_norm, has_shared, residual is not None, on_cpu,
                         pdl)  # fmt: skip
-        return out
+        return out[0] if one else out
     nb = cdiv(i, cfg.gate_up_rows)
-    _moe_gate_up_kernel[(top_k * nb,)](
-        x, nw, logits, ids, wts, h,
+    _moe_gate_up_kernel[(top_k * nb, b)](
+        x, nw, logits, ids, wts, h, *rows,
         gate.qweight, gate.scales, gate.biases, up.qweight, up.scales, up.biases,
         gate.qweight.stride(0), gate.scales.stride(0), gate.qweight.stride(1),
         gate.scales.stride(1),
-        e, d, i, h.stride(0), mask_lo(gate.bits), float(eps),
+        e, d, i, h.stride(1), mask_lo(gate.bits), float(eps),
         TOP_K=top_k, BLOCK_K=block_k, BLOCK_E=pow2(e), BITS=gate.bits,
         GROUP=gs, BLOCK_G=_whole(d, gs), BLOCK_N=cfg.gate_up_rows, N_BLOCKS=nb,
         HAS_NORM=has_norm, ON_CPU=on_cpu, PDL=pdl, num_warps=cfg.num_warps, **pdl_launch(pdl),
     )  # fmt: skip
 
     # 3. down for all slots, weighted sum, shared gate, residual.
-    _moe_down_kernel[(cdiv(d, cfg.down_rows),)](
-        h, ids, wts, logits, res, out,
+    _moe_down_kernel[(cdiv(d, cfg.down_rows), b)](
+        h, ids, wts, logits, res, out, *rows,
         down.qweight, down.scales, down.biases, down.qweight.stride(0), down.scales.stride(0),
         down.qweight.stride(1), down.scales.stride(1),
         sd.qweight, sd.scales, sd.biases, sd.qweight.stride(0), sd.scales.stride(0),
-        e, d, i, i_s, h.stride(0), mask_lo(down.bits),
+        e, d, i, i_s, h.stride(1), mask_lo(down.bits),
         TOP_K=top_k, BLOCK_K=block_k, BITS=down.bits, GROUP=down.group_size,
         BLOCK_G=_whole(i, down.group_size), S_BG=_whole(max(i_s, down.group_size), gs),
         BLOCK_N=cfg.down_rows, HAS_SHARED=has_shared, HAS_RES=residual is not None,
         ON_CPU=on_cpu, PDL=pdl, num_warps=cfg.down_warps, **pdl_launch(pdl),
     )  # fmt: skip
-    return out
+    return out[0] if one else out

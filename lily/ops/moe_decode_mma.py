@@ -14,7 +14,13 @@ import triton
 import triton.language as tl
 
 from lily.ops.launch import cdiv, launched, mask_lo, pdl_launch, pow2
-from lily.ops.moe_decode_parts import down_early, down_finish, slot_expert
+from lily.ops.moe_decode_parts import (
+    down_early,
+    down_finish,
+    row_pairs,
+    row_ptrs,
+    slot_expert,
+)
 from lily.ops.norm_rope import sigmoid
 from lily.ops.qgemv import pdl_wait
 from lily.ops.qgemv_mma import PAIR_MASK, X_TERMS, mma_dot, mma_tile, mma_x, mma_x_row
@@ -24,7 +30,7 @@ from lily.quant import QuantWeight
 @launched
 @triton.jit
 def _moe_gate_up_mma_kernel(
-    p_x, p_nw, p_logits, p_ids, p_wts, p_h,
+    p_x, p_nw, p_logits, p_ids, p_wts, p_h, stride_xt, stride_lt, stride_hb,
     p_gw, p_gs, p_gb, p_uw, p_us, p_ub, stride_we, stride_se, stride_qn, stride_sn,
     E, I_E, stride_h, pair_mask, eps,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, GROUP: tl.constexpr,
@@ -37,6 +43,8 @@ def _moe_gate_up_mma_kernel(
     pid = tl.program_id(0)
     slot = pid // N_BLOCKS
     row0 = (pid % N_BLOCKS) * BLOCK_N
+    p_x, p_logits, p_h = row_ptrs(p_x, p_logits, p_h, stride_xt, stride_lt, stride_hb)
+    p_ids, p_wts = row_pairs(p_ids, p_wts, TOP_K)
     # x and its MMA operand before the wait (x was written before the router kernel ran:
     # see moe_decode._moe_gate_up_kernel's note); the weights must wait for the expert id.
     b_xn = mma_x_row(p_x, p_nw, eps, NG, G, GROUP, HAS_NORM, EVEN_K, ON_CPU)
@@ -64,7 +72,7 @@ def _moe_gate_up_mma_kernel(
 @launched
 @triton.jit
 def _moe_down_mma_kernel(
-    p_h, p_ids, p_wts, p_logits, p_res, p_out,
+    p_h, p_ids, p_wts, p_logits, p_res, p_out, stride_xt, stride_lt, stride_hb,
     p_dw, p_ds, p_db, stride_we, stride_se, stride_qn, stride_sn,
     p_sdw, p_sds, p_sdb, stride_sqn, stride_ssn,
     E, D, I_S, stride_h, pair_mask, mask_lo,
@@ -80,6 +88,9 @@ def _moe_down_mma_kernel(
     # the warps.
     NG: tl.constexpr = TOP_K * SG
     i_n = tl.program_id(0)
+    p_res, p_logits, p_h = row_ptrs(p_res, p_logits, p_h, stride_xt, stride_lt, stride_hb)
+    p_out += tl.program_id(1) * stride_xt
+    p_ids, p_wts = row_pairs(p_ids, p_wts, TOP_K)
     row0 = i_n * BLOCK_N
     o_n = row0 + tl.arange(0, BLOCK_N)
     m_n = o_n < D
@@ -114,19 +125,22 @@ def moe_mma_experts(
     x, nw, logits, ids, wts, h, res, out, gate, up, down, sd, e, d, i, i_s, top_k, eps, cfg,
     has_norm, has_shared, has_res, on_cpu, pdl,
 ) -> None:  # fmt: skip
-    """Launches 2 and 3 of ``moe_decode`` on the tensor cores (arguments as checked there)."""
+    """Launches 2 and 3 of ``moe_decode`` on the tensor cores (arguments as checked there;
+    x, logits, ids, wts, h, res and out with a leading row axis, grid axis 1)."""
     gs = gate.group_size
+    b = x.shape[0]
+    rows = (x.stride(0), logits.stride(0), h.stride(0))
     bn = cfg.mma_rows
     # gate/up: K = D; one program a (slot, bn rows of I)
     ng = d // gs
     g = pow2(ng)
     w = min(cfg.mma_warps, g)
     nb = cdiv(i, bn)
-    _moe_gate_up_mma_kernel[(top_k * nb,)](
-        x, nw, logits, ids, wts, h,
+    _moe_gate_up_mma_kernel[(top_k * nb, b)](
+        x, nw, logits, ids, wts, h, *rows,
         gate.qweight, gate.scales, gate.biases, up.qweight, up.scales, up.biases,
         gate.qweight.stride(0), gate.scales.stride(0), gate.qweight.stride(1),
-        gate.scales.stride(1), e, i, h.stride(0), PAIR_MASK, float(eps),
+        gate.scales.stride(1), e, i, h.stride(1), PAIR_MASK, float(eps),
         TOP_K=top_k, BLOCK_K=pow2(top_k), BLOCK_E=pow2(e), GROUP=gs, NG=ng, G=g, BLOCK_N=bn,
         W=w, N_BLOCKS=nb, TERMS=X_TERMS[x.dtype], HAS_NORM=has_norm, EVEN_N=i % bn == 0,
         EVEN_K=g == ng, ON_CPU=on_cpu, PDL=pdl, num_warps=w, **pdl_launch(pdl),
@@ -135,12 +149,12 @@ def moe_mma_experts(
     sg = i // gs
     g = pow2(top_k * sg)
     w = min(cfg.mma_warps, g)
-    _moe_down_mma_kernel[(cdiv(d, bn),)](
-        h, ids, wts, logits, res, out,
+    _moe_down_mma_kernel[(cdiv(d, bn), b)](
+        h, ids, wts, logits, res, out, *rows,
         down.qweight, down.scales, down.biases, down.qweight.stride(0), down.scales.stride(0),
         down.qweight.stride(1), down.scales.stride(1),
         sd.qweight, sd.scales, sd.biases, sd.qweight.stride(0), sd.scales.stride(0),
-        e, d, i_s, h.stride(0), PAIR_MASK, mask_lo(down.bits),
+        e, d, i_s, h.stride(1), PAIR_MASK, mask_lo(down.bits),
         TOP_K=top_k, GROUP=gs, SG=sg, G=g, W=w, BITS=down.bits,
         S_BG=pow2(max(i_s, gs) // gs), BLOCK_N=bn, HAS_SHARED=has_shared, HAS_RES=has_res,
         EVEN_N=d % bn == 0, ON_CPU=on_cpu, PDL=pdl, num_warps=w, **pdl_launch(pdl),

@@ -49,6 +49,21 @@ def topk_rows(b_l, E, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def row_ptrs(p_x, p_logits, p_h, stride_xt, stride_lt, stride_hb):
+    """Row ``program_id(1)``'s x (or residual), logits and h: over B rows, each launch of
+    moe_decode runs its one-row grid once a row (grid axis 1; axis 1 is 0 for one row)."""
+    r = tl.program_id(1)
+    return p_x + r * stride_xt, p_logits + r * stride_lt, p_h + r * stride_hb
+
+
+@triton.jit
+def row_pairs(p_ids, p_wts, TOP_K: tl.constexpr):
+    """Row ``program_id(1)``'s k (expert, weight) pairs."""
+    r = tl.program_id(1)
+    return p_ids + r * TOP_K, p_wts + r * TOP_K
+
+
+@triton.jit
 def slot_expert(p_logits, p_ids, p_wts, E, slot, pid, TOP_K: tl.constexpr,
                 BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
     """A gate/up program's routing, after its PDL wait: the top-k of the E logits, written

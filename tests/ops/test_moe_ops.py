@@ -150,6 +150,28 @@ def test_moe_decode_tensor_core_path(poison, monkeypatch, device, d, i_e, i_s, g
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cfg", [FMA, MoeDecodeConfig(mma_rows=32)], ids=["fma", "mma"])
+def test_moe_decode_rows_equal_each_row_alone(poison, device, cfg):
+    """Three rows in one call (a batched decode step: each launch's grid once a row) against
+    each row alone, bit for bit (the same programs on the same values), and against the
+    reference; rows differ in x, residual and so routing; the norm fused."""
+    w = make_moe(7, 4, 64, True, seed=33, device=device)
+    g = torch.Generator().manual_seed(4)
+    x = (2.0 * torch.randn(3, D, generator=g) + 0.3).to(device, torch.bfloat16)
+    res = torch.randn(3, D, generator=g).to(device, torch.bfloat16)
+    nw = (1.0 + 0.2 * torch.randn(D, generator=g)).to(device, torch.bfloat16)
+    y = moe_decode(x, *w.values(), 3, res, norm_weight=nw, eps=1e-5, config=cfg)
+    assert y.shape == (3, D) and y.dtype == torch.bfloat16
+    for r in range(3):
+        alone = moe_decode(x[r], *w.values(), 3, res[r], norm_weight=nw, eps=1e-5, config=cfg)
+        assert torch.equal(y[r], alone), r
+        assert moe_err(y[r], w, rms_norm(x[r], nw, 1e-5), 3, res[r]) < 2e-2
+    logits = ref_qlinear(rms_norm(x, nw, 1e-5).float(), w["router"])
+    ids = ref_route(logits, 3)[1]
+    assert len({tuple(sorted(i.tolist())) for i in ids}) > 1  # the rows are routed apart
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_moe_decode_replays_on_new_tokens(device):
     """Two tokens through one captured call (a CUDA graph on the GPU, as the decode step
     runs, with programmatic dependent launch; two eager calls on the CPU, where ``pdl`` is a
@@ -365,7 +387,7 @@ def test_moe_bad_inputs_give_clear_errors():
     with pytest.raises(ValueError, match="top_k"):
         moe_decode(x, *args, 6)
     with pytest.raises(ValueError, match="one token"):
-        moe_decode(x[None], *args, 2)
+        moe_decode(x[None, None], *args, 2)
     with pytest.raises(ValueError, match="all of shared"):
         moe_decode(x, *args[:4], None, *args[5:], 2)
     with pytest.raises(ValueError, match="expert shapes"):

@@ -258,24 +258,38 @@ def test_memory_plan_covers_the_scratch(monkeypatch):
 def test_the_batched_step_takes_the_rows_kernel():
     """The engine's batched decode step (the compile matrix's record of Runner.decode_rows
     on meta tensors, what the warm-up runs for every batch size) sends every layer's MoE
-    through moe_decode_rows' four launches at 2 to 16 rows, and none through moe_prefill;
-    8-bit experts keep moe_prefill."""
+    through moe_decode's three launches over the rows at 2 to 16 rows, and with ROWS_MOE
+    through moe_decode_rows' four; never through moe_prefill. 8-bit experts take
+    moe_decode's FMA launches either way (moe_decode_rows takes 4-bit experts only)."""
     from lily.ops.arch import DEFAULT
     from lily.ops.launchable import Variant, launches
 
-    def in_rows(found, module: str) -> dict[str, set[int]]:
+    def in_rows(found, module: str, rows_moe: bool) -> dict[str, set[int]]:
         out: dict[str, set[int]] = {}
         for launch, where in found.items():
-            bs = {int(w.split("B=")[1].split()[0]) for w in where if "decode rows" in w}
+            bs = {int(w.split("B=")[1].split()[0]) for w in where
+                  if "decode rows" in w and w.endswith("ROWS_MOE") == rows_moe}  # fmt: skip
             if launch.module == f"lily.ops.{module}" and bs:
                 out.setdefault(launch.name, set()).update(bs)
         return out
 
+    every = set(range(2, 17))
     full = launches(Variant("full"), DEFAULT)
-    names = ("_rows_router_kernel", "_rows_route_kernel", "_rows_gate_up_kernel",
-             "_rows_down_kernel")  # fmt: skip
-    assert in_rows(full, "moe_decode_rows") == {n: set(range(2, 17)) for n in names}
-    assert in_rows(full, "moe_prefill") == {}
+    rows = ("_rows_router_kernel", "_rows_route_kernel", "_rows_gate_up_kernel",
+            "_rows_down_kernel")  # fmt: skip
+    assert in_rows(full, "moe_decode_rows", True) == {n: every for n in rows}
+    assert in_rows(full, "moe_decode_rows", False) == {}
+    assert in_rows(full, "moe_decode", False) == {"_moe_router_kernel": every}
+    assert in_rows(full, "moe_decode_mma", False) == {
+        "_moe_gate_up_mma_kernel": every,
+        "_moe_down_mma_kernel": every,
+    }
+    for rows_moe in (False, True):
+        assert in_rows(full, "moe_prefill", rows_moe) == {}
     eight = launches(Variant("tiny", "mlx8"), DEFAULT)
-    assert in_rows(eight, "moe_decode_rows") == {}
-    assert set(in_rows(eight, "moe_prefill")["_moe_down_kernel"]) == set(range(2, 17))
+    for rows_moe in (False, True):
+        assert in_rows(eight, "moe_decode_rows", rows_moe) == {}
+        assert in_rows(eight, "moe_prefill", rows_moe) == {}
+        assert in_rows(eight, "moe_decode", rows_moe) == {
+            n: every for n in ("_moe_router_kernel", "_moe_gate_up_kernel", "_moe_down_kernel")
+        }

@@ -155,14 +155,17 @@ def test_kernel_rows_match_kernel_single_steps(checkpoint, graphs):
         assert {k[:2] for k in runner.graphs if k[0] == "rows"} == {("rows", 3), ("rows", 4)}
 
 
-def test_model_rows_on_the_kernels_equal_each_row_alone(monkeypatch):
+@pytest.mark.parametrize("rows_moe", [False, True], ids=["default", "rows_switches"])
+def test_model_rows_on_the_kernels_equal_each_row_alone(monkeypatch, rows_moe):
     """Model.run over Rows on the kernels (the Triton interpreter on the CPU; bf16, so
-    every layer's MoE takes the batched MoE decode, moe_decode_rows, and the mixers their
-    row tables) against Model.run of each row alone on the kernels' one-sequence step
-    (moe_decode): the last layer's output of every row. Rows at different positions over
-    states prefilled (by the reference path) from different prompts. Two layers, one of
-    each kind, of the tiny model's shapes: a step of the four-layer model took minutes on
-    the interpreter. On a GPU the same, natively."""
+    every layer's MoE takes the batched step's kernel: moe_decode over the rows, or with
+    ROWS_MOE moe_decode_rows and with ROWS_MMA the projections and head on
+    qgemv_mma_rows; the mixers their row tables) against Model.run of each
+    row alone on the kernels' one-sequence step (moe_decode of one row): the last layer's
+    output of every row. Rows at different positions over states prefilled (by the
+    reference path) from different prompts. Two layers, one of each kind, of the tiny
+    model's shapes: a step of the four-layer model took minutes on the interpreter. On a
+    GPU the same, natively."""
     import dataclasses
 
     import lily.model.ops as model_ops
@@ -182,23 +185,35 @@ def test_model_rows_on_the_kernels_equal_each_row_alone(monkeypatch):
             st = new_state(ref)
             Runner(ref, 64).prefill(p, st)
             group.append(st)
-    calls = []
-    real = model_ops.moe_decode_rows
+    rows_seen = []  # the rows of each MoE call of the batched kernel
+    name = "moe_decode_rows" if rows_moe else "moe_decode"
+    real = getattr(model_ops, name)
+    monkeypatch.setattr(model_ops, "ROWS_MOE", rows_moe)
+    monkeypatch.setattr(model_ops, "ROWS_MMA", rows_moe)
+    mma_rows = []
+    real_mma = model_ops.qgemv_mma_rows
     monkeypatch.setattr(
-        model_ops, "moe_decode_rows", lambda *a, **k: calls.append(1) or real(*a, **k)
+        model_ops,
+        "qgemv_mma_rows",
+        lambda x, *a, **k: mma_rows.append(len(x)) or real_mma(x, *a, **k),
+    )
+    monkeypatch.setattr(
+        model_ops, name, lambda x, *a, **k: rows_seen.append(len(x)) or real(x, *a, **k)
     )
     bound = 64
     rows = RowBuffers(cfg, len(prompts), dev).rows(batch)
     starts = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=dev)
     with torch.inference_mode():
         got, _ = model.run(torch.tensor(toks, device=dev), rows, starts, bound, step=True)
-        assert len(calls) == cfg.num_hidden_layers  # every layer's MoE took the rows kernel
+        assert rows_seen == [3] * cfg.num_hidden_layers  # every layer's MoE, all rows at once
+        # with ROWS_MMA every packed projection and the head: more than one a layer
+        assert (len(mma_rows) > cfg.num_hidden_layers) == rows_moe and set(mma_rows) <= {3}
+        monkeypatch.setattr(model_ops, name, real)
         for r, (p, st) in enumerate(zip(prompts, alone, strict=True)):
             want, _ = model.run(torch.tensor(toks[r : r + 1], device=dev), st, len(p), bound,
                                 step=True)  # fmt: skip
             err = float((got[r].double() - want[0].double()).norm() / want[0].double().norm())
             assert err <= 2e-2, (r, err)  # bf16 roundings in another order
-    assert len(calls) == cfg.num_hidden_layers  # (the rows alone: moe_decode)
 
 
 def test_row_tables_follow_the_rows_buffers(checkpoint):

@@ -43,6 +43,16 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="temperature 0.6, top-p 0.95, top-k 20 on the device (default: greedy)",
     )
+    ap.add_argument(
+        "--no-rows-mma",
+        action="store_true",
+        help="A/B: the batched step's projections on qgemv/qgemm, not qgemv_mma_rows (ROWS_MMA)",
+    )
+    ap.add_argument(
+        "--rows-moe",
+        action="store_true",
+        help="A/B: the batched step's MoE on moe_decode_rows (ROWS_MOE)",
+    )
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="the tiny random model on the CPU")
     ap.add_argument("--out", help="JSON results")
@@ -51,12 +61,15 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    import lily.model.ops as model_ops
     from lily.bench import serve_load
     from lily.bench.measure import env_info
     from lily.bench.random_model import model_config, random_params
     from lily.bench.source import engine_from_params
     from lily.config import EngineConfig
 
+    model_ops.ROWS_MMA = model_ops.ROWS_MMA and not args.no_rows_mma
+    model_ops.ROWS_MOE = model_ops.ROWS_MOE or args.rows_moe
     if not args.tiny and not torch.cuda.is_available():
         print("no CUDA device: run with --tiny for a CPU check", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""The batched MoE decode (moe_decode_rows) against its byte floor and the old path.
+"""The batched step's MoE (moe_decode over B rows; moe_decode_rows) against the byte floor.
 
 B = 1, 2, 4, 8, 16 rows (one token each) at the model's shapes.
 
@@ -14,8 +14,10 @@ time a layer. Paths:
   step's MoE); also with the table's tile variants (``--variants``);
 - ``rmsnorm+moe_prefill``: what the batched step ran before: an rmsnorm launch, then the
   prefill MoE with the next layer's norm in its last launch;
-- ``moe_decode``: the one-row kernel (B = 1: the single-sequence step), and ``moe_decode
-  x B``: B one-row calls in a row (no expert shared between rows).
+- ``moe_decode``: the one-row kernel (B = 1: the single-sequence step), ``moe_decode
+  x B``: B one-row calls in a row (no expert shared between rows), and ``moe_decode rows``:
+  one call over the B rows, each launch's grid once a row (the batched step's default,
+  lily/model/ops.py).
 The floor is the bytes a layer must read (router, shared expert and its gate, each distinct
 expert chosen by the rows once, the rows in and out) at the copy rate measured here;
 ``distinct`` the experts the rows actually chose (the reference router, the mean over the
@@ -104,6 +106,10 @@ def paths(b: int, variants: bool) -> list[tuple]:
                                        eps=EPS, pdl=True) for r in range(len(x))])  # fmt: skip
 
     out.append(("moe_decode" if b == 1 else "moe_decode x B", "table, pdl", one_by_one))
+    if b > 1:  # the batched step's default: the B calls' programs in one grid a launch
+        out.append(("moe_decode rows", "table, pdl",
+                    lambda x, w, nw, nn: moe_decode(x, *w.values(), TOP_K, x, norm_weight=nw,
+                                                    eps=EPS, pdl=True)))  # fmt: skip
     return out
 
 
