@@ -380,3 +380,11 @@ def test_the_compile_matrix_sees_the_row_table(monkeypatch):
     assert tiles[("_moe_router_kernel", 8)] == above
     for name in ("_moe_gate_up_mma_kernel", "_moe_down_mma_kernel"):
         assert tiles[(name, 16)] == below and tiles[(name, 32)] == above
+
+
+def test_row_table_entries_are_tiles():
+    """Every MOE_ROWS_CONFIGS entry as shipped: a MoeDecodeConfig for 2..MAX_ROWS rows."""
+    from lily.model.ops import MAX_ROWS, MOE_ROWS_CONFIGS
+
+    for b, cfg in MOE_ROWS_CONFIGS.items():
+        assert 2 <= b <= MAX_ROWS and isinstance(cfg, MoeDecodeConfig)
