@@ -284,6 +284,18 @@ def cuobjdump() -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
 
 
+def sweep_args(ap, lines: str) -> None:
+    """``--sweep-only`` (with --variants: ``lines`` alone) and ``--max-seconds``, the
+    options of a script whose tile sweep must fit a time limit."""
+    ap.add_argument("--sweep-only", action="store_true",
+                    help=f"only the {lines} lines (the table's tile and the sweep)")  # fmt: skip
+    ap.add_argument(
+        "--max-seconds",
+        type=float,
+        help="start no line past this many seconds (the JSON keeps the rest)",
+    )
+
+
 def write_json(path: str | None, obj) -> None:
     """``obj`` as JSON at ``path`` (None: nothing), through a temporary file: a script
     that rewrites it after each measured line leaves a whole file when it is stopped."""

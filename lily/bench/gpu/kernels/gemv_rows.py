@@ -54,6 +54,7 @@ from lily.bench.gpu.kernels.common import (
     compile_problems,
     graph_ms,
     rel,
+    sweep_args,
     table,
     weight_copies,
     write_json,
@@ -186,16 +187,7 @@ def main() -> None:
     ap.add_argument("--shapes", help="shapes by the first word of their names: "
                     + ",".join(shape_key(s[0]) for s in SHAPES) + " (default: all)")  # fmt: skip
     ap.add_argument("--variants", action="store_true", help="also the qgemv_mma_rows tiles")
-    ap.add_argument(
-        "--sweep-only",
-        action="store_true",
-        help="only the qgemv_mma_rows lines (the table's tile and the sweep)",
-    )
-    ap.add_argument(
-        "--max-seconds",
-        type=float,
-        help="start no line past this many seconds (the JSON keeps the rest)",
-    )
+    sweep_args(ap, "qgemv_mma_rows")
     ap.add_argument("--out")
     args = ap.parse_args()
     try:

@@ -67,6 +67,7 @@ from lily.bench.gpu.kernels.common import (
     moe_weights,
     norm_weight,
     rel,
+    sweep_args,
     write_json,
 )
 from lily.bench.gpu.kernels.moe_rows_sweep import (
@@ -179,9 +180,9 @@ class Bench:
     ``layers``; no line starts past ``max_seconds``."""
 
     def __init__(self, ceil: dict, layers: list[dict], out: str | None,
-                 max_seconds: float | None):  # fmt: skip
+                 max_seconds: float | None, t0: float | None = None):  # fmt: skip
         self.layers, self.out, self.max_seconds = layers, out, max_seconds
-        self.t0 = time.perf_counter()
+        self.t0 = time.perf_counter() if t0 is None else t0  # (the run's start)
         self.results, self.skipped, self.best = [], [], {}
         self.report = {"ceilings": ceil, "moe_rows": self.results, "skipped": self.skipped,
                        "best": self.best}  # fmt: skip
@@ -251,24 +252,16 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8,16", help="batch sizes B, in this order")
     ap.add_argument("--layers", type=int, default=4, help="layers of distinct weights")
     ap.add_argument("--variants", action="store_true", help="also the moe_decode rows sweep")
-    ap.add_argument(
-        "--sweep-only",
-        action="store_true",
-        help="only the moe_decode rows lines (the table's tile and the sweep)",
-    )
-    ap.add_argument(
-        "--max-seconds",
-        type=float,
-        help="start no line past this many seconds (the JSON keeps the rest)",
-    )
+    sweep_args(ap, "moe_decode rows")
     ap.add_argument("--out")
     args = ap.parse_args()
+    t0 = time.perf_counter()
     gen = torch.Generator(device=DEV).manual_seed(0)
     ceil = ceilings()
     print(json.dumps(ceil), flush=True)
     layers = [moe_weights(gen) for _ in range(args.layers)]
     fixed, expert = fixed_bytes(layers[0]), expert_bytes(layers[0])
-    bench = Bench(ceil, layers, args.out, args.max_seconds)
+    bench = Bench(ceil, layers, args.out, args.max_seconds, t0)
     results = bench.results
     for b in [int(s) for s in args.rows.split(",")]:
         xs = [(2.0 * torch.randn(b, D, generator=gen, device=DEV)).to(BF16) for _ in layers]
