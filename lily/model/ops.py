@@ -45,7 +45,7 @@ if HAS_KERNELS:
     from lily.ops.deltanet_prefill import deltanet_prefill
     from lily.ops.embedding import DTYPES as EMBED_DTYPES
     from lily.ops.embedding import embedding_rows
-    from lily.ops.moe_decode import moe_decode
+    from lily.ops.moe_decode import MoeDecodeConfig, moe_decode
     from lily.ops.moe_decode_rows import moe_decode_rows, rows_fit
     from lily.ops.moe_prefill import moe_prefill
     from lily.ops.norm_rope import rope_inv_freq
@@ -97,6 +97,28 @@ def gemv_rows(x: Tensor) -> int:
 # 189): it is latency-bound (41 us at one row against moe_decode's 17.5), not byte-bound.
 # The row grid runs those B calls' programs side by side; docs/notes/batching.md.
 ROWS_MOE = False
+
+# moe_decode's tile in a batched decode step of B rows: the entry of the largest key <= B
+# (keys 2 to MAX_ROWS; none: MoeDecodeConfig's defaults, tuned for one row, where the grid
+# must be wide to fill the SMs). Empty until measured: the figures are to come from
+# `lily bench --run kernels.moe_rows -- --variants` on the H200, which prints each B's
+# fastest tile as an entry of this table (the 2026-12-02 step spent 82-89 us a layer at 8
+# rows on the defaults against a 25.8 us floor, docs/notes/batching.md). The compile matrix
+# (lily/ops/launchable.py) and the warm-up run every batch size through this dispatch, so
+# an entry is compiled and checked there.
+# NOTE: MoeDecodeConfig needs Triton; without it the table stays empty (reference ops).
+MOE_ROWS_CONFIGS: dict[int, MoeDecodeConfig] = {} if not HAS_KERNELS else {
+    # B: MoeDecodeConfig(...), from the H200 (none measured yet)
+}  # fmt: skip
+
+
+def moe_rows_config(b: int) -> MoeDecodeConfig | None:
+    """moe_decode's tile for a batched decode step of ``b`` rows (MOE_ROWS_CONFIGS), or
+    None: the defaults."""
+    if not MOE_ROWS_CONFIGS or b < 2:
+        return None
+    keys = [n for n in MOE_ROWS_CONFIGS if n <= b]
+    return MOE_ROWS_CONFIGS[max(keys)] if keys else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,12 +339,14 @@ def moe(x: Tensor, h: Tensor | None, norm_w: Tensor, m: MoEWeights, next_norm: T
             y = moe_decode_rows(h, *w, top_k=top_k, residual=x, pdl=k.pdl)
         return y, None
     if k.step or x.shape[0] == 1:
-        # One row, or a batched decode step's rows (each launch's grid once a row).
+        # One row, or a batched decode step's rows (each launch's grid once a row; its tile
+        # from MOE_ROWS_CONFIGS).
+        tile = moe_rows_config(x.shape[0]) if k.step else None
         if h is None:
             y = moe_decode(x, *w, top_k=top_k, residual=x, norm_weight=norm_w, eps=eps,
-                           pdl=k.pdl)  # fmt: skip
+                           config=tile, pdl=k.pdl)  # fmt: skip
         else:
-            y = moe_decode(h, *w, top_k=top_k, residual=x)
+            y = moe_decode(h, *w, top_k=top_k, residual=x, config=tile)
         return y, None
     if h is None:  # no op before made the norm
         h = rmsnorm(x, norm_w, eps)

@@ -283,7 +283,8 @@ class MoeDecodeConfig:
     down_rows: output rows of the down launch (D / down_rows programs);
     mma: routed gate/up and down on the tensor cores (qgemv_mma's tile) where the experts
     are 4-bit with 16-byte rows, with mma_rows rows a program (16, 32 or 64) on mma_warps
-    warps (they split K); else the FMA kernels with the rows above.
+    warps (they split K), the down launch with mma_down_rows on mma_down_warps (None: the
+    same; its grid is D / rows against gate/up's k * I / rows); else the FMA kernels.
     """
 
     router_rows: int = 4
@@ -295,17 +296,20 @@ class MoeDecodeConfig:
     mma: bool = True
     mma_rows: int = 16
     mma_warps: int = 8
+    mma_down_rows: int | None = None
+    mma_down_warps: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("router_rows", "shared_rows", "gate_up_rows", "down_rows", "num_warps",
-                     "down_warps", "mma_warps"):  # fmt: skip
+                     "down_warps", "mma_warps", "mma_down_warps"):  # fmt: skip
             v = getattr(self, name)
-            if v < 1 or v & (v - 1):
+            if v is not None and (v < 1 or v & (v - 1)):
                 raise ValueError(f"MoeDecodeConfig.{name} must be a power of two, got {v}")
         if self.router_rows < 2:
             raise ValueError("MoeDecodeConfig.router_rows must be >= 2")
-        if self.mma_rows not in (16, 32, 64):
-            raise ValueError(f"MoeDecodeConfig.mma_rows must be 16, 32 or 64, got {self.mma_rows}")
+        for name, v in (("mma_rows", self.mma_rows), ("mma_down_rows", self.mma_down_rows)):
+            if v not in (16, 32, 64) and not (v is None and name == "mma_down_rows"):
+                raise ValueError(f"MoeDecodeConfig.{name} must be 16, 32 or 64, got {v}")
 
 
 def check_moe_weights(

@@ -145,10 +145,11 @@ def moe_mma_experts(
         W=w, N_BLOCKS=nb, TERMS=X_TERMS[x.dtype], HAS_NORM=has_norm, EVEN_N=i % bn == 0,
         EVEN_K=g == ng, ON_CPU=on_cpu, PDL=pdl, num_warps=w, **pdl_launch(pdl),
     )  # fmt: skip
-    # down: K = the k slots' I; one program a bn rows of D
+    # down: K = the k slots' I; one program a bn rows of D (its own tile where given)
+    bn, w = cfg.mma_down_rows or bn, cfg.mma_down_warps or cfg.mma_warps
     sg = i // gs
     g = pow2(top_k * sg)
-    w = min(cfg.mma_warps, g)
+    w = min(w, g)
     _moe_down_mma_kernel[(cdiv(d, bn), b)](
         h, ids, wts, logits, res, out, *rows,
         down.qweight, down.scales, down.biases, down.qweight.stride(0), down.scales.stride(0),

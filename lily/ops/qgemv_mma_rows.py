@@ -70,9 +70,18 @@ def _qgemv_mma_rows_kernel(
              cast_to(acc, p_out.dtype.element_ty, ON_CPU), mask=m_o)  # fmt: skip
 
 
+# Measured tiles, ahead of the rule in mma_rows_config: (N, K, group size) -> {B: tile},
+# the entry of the largest B key <= B (none: the rule). A measured change is one entry;
+# `lily bench --run kernels.gemv_rows -- --variants` prints each shape's and B's fastest
+# tile as one. (2026-12-02, not entered yet: o_proj 2048 x 4096 took 5.8 us with n16 w8
+# against the rule's n16 w16's 7.2 at every B from 2 to 8, docs/notes/batching.md.)
+MEASURED_TILES: dict[tuple[int, int, int], dict[int, MmaGemvConfig]] = {}
+
+
 @functools.lru_cache(maxsize=1024)  # tiles are pure functions of the shape
 def mma_rows_config(n: int, k: int, group_size: int, b: int) -> MmaGemvConfig:
-    """Tile for B rows of a shape. NOT YET MEASURED: a first guess for the H200 to check
+    """Tile for B rows of a shape: MEASURED_TILES' where it has the shape, else the rule
+    below, NOT YET MEASURED: a first guess for the H200 to check
     (lily/bench/gpu/kernels/gemv_rows.py times it).
 
     qgemv_mma's tile (``mma_gemv_config``: BLOCK_N and warps), without its register cap (the
@@ -85,6 +94,10 @@ def mma_rows_config(n: int, k: int, group_size: int, b: int) -> MmaGemvConfig:
     registers (4.7 SASS instructions a code), 32 rows 176 (6.6); 16 columns, 64 rows 255
     and 136 bytes spilled (7.8), 32 rows 232 (11.2), 16 rows 204 (18.9): the rows' operand
     (BR x K fp32 before its bf16 permute) takes most of the registers, one program an SM."""
+    measured = MEASURED_TILES.get((n, k, group_size), {})
+    keys = [r for r in measured if r <= b]
+    if keys:
+        return measured[max(keys)]
     base = mma_gemv_config(n, k, group_size)
     bn = base.block_n
     while bn < 64 and bn <= 4 * b and cdiv(n, 2 * bn) >= _SMS:

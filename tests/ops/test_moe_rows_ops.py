@@ -28,6 +28,7 @@ if not torch.cuda.is_available():
 from lily.bench.measure import capture_graph  # noqa: E402
 from lily.model.norm import rms_norm  # noqa: E402
 from lily.model.ref import ref_moe, ref_qlinear, ref_route  # noqa: E402
+from lily.ops.launch import cdiv  # noqa: E402
 from lily.ops.moe_decode import MoeDecodeConfig  # noqa: E402
 from lily.ops.moe_decode_rows import RowsPlan, moe_decode_rows, rows_fit  # noqa: E402
 from tests.ops.common import rel_err  # noqa: E402
@@ -293,3 +294,97 @@ def test_the_batched_step_takes_the_rows_kernel():
         assert in_rows(eight, "moe_decode", rows_moe) == {
             n: every for n in ("_moe_router_kernel", "_moe_gate_up_kernel", "_moe_down_kernel")
         }
+
+
+# ---------------------------------------------------------------- moe_decode over rows:
+# the batched step's tile table (lily/model/ops.py MOE_ROWS_CONFIGS)
+
+# Every tile field of the mma path off its default; the down launch on a tile of its own.
+SPLIT = MoeDecodeConfig(router_rows=2, shared_rows=32, num_warps=2, mma_rows=64, mma_warps=4,
+                        mma_down_rows=16, mma_down_warps=2)  # fmt: skip
+WIDE_ROWS = MoeDecodeConfig(router_rows=8, shared_rows=16, mma_rows=32, mma_warps=2)
+
+
+def _step_moe(x, w: dict, k: int, nw):
+    """lily.model.ops.moe as a batched decode step calls it (kernels, ``step``)."""
+    from types import SimpleNamespace
+
+    from lily.model.bundles import MoEWeights
+    from lily.model.ops import Kernels, moe
+
+    kern = Kernels(step=True, pdl=False, mma=True, workspace=None, inv_freq=None,
+                   rows_workspace=None)  # fmt: skip
+    cfg = SimpleNamespace(rms_norm_eps=EPS, num_experts_per_tok=k, norm_topk_prob=True)
+    return moe(x, None, nw, MoEWeights(*w.values()), None, cfg, kern)[0]
+
+
+def test_the_batched_step_takes_its_tile_from_the_row_table(poison, monkeypatch):
+    """The step's moe_decode over B rows takes the entry of the largest key <= B (none
+    below the smallest key, none for one row) and launches with it: router rows and warps,
+    the gate/up tile and the down launch's own tile. Then a real call at an odd shape (D
+    224 in groups of 32: 7 of 8 groups; I 96: a gate/up block past I; 9 experts, top 3,
+    5 rows) on that split tile, each row against the reference MoE of that row alone."""
+    import lily.model.ops as model_ops
+    from lily.ops.launch import record_launches
+
+    monkeypatch.setattr(model_ops, "MOE_ROWS_CONFIGS", {3: WIDE_ROWS, 5: SPLIT})
+    d, i_e, i_s, gs, e, k = 224, 96, 96, 32, 9, 3
+    w = make_moe(e, 4, gs, True, seed=53, device=DEV, d=d, i_e=i_e, i_s=i_s)
+    g = torch.Generator().manual_seed(53)
+    nw = (1.0 + 0.2 * torch.randn(d, generator=g)).bfloat16().to(DEV)
+    got = {}
+    for b in (1, 2, 3, 4, 5, 16):
+        with record_launches() as rec:
+            _step_moe(torch.zeros(b, d, dtype=torch.bfloat16, device=DEV), w, k, nw)
+        got[b] = {getattr(r[0].fn, "fn", r[0].fn).__name__: (r[1], r[3]) for r in rec}
+    default = MoeDecodeConfig()
+    want = {1: default, 2: default, 3: WIDE_ROWS, 4: WIDE_ROWS, 5: SPLIT, 16: SPLIT}
+    for b, cfg in want.items():
+        router_grid, router = got[b]["_moe_router_kernel"]
+        assert router["R_BN"] == cfg.router_rows and router["S_BN"] == cfg.shared_rows
+        assert router["num_warps"] == cfg.num_warps
+        assert router_grid == (cdiv(e, cfg.router_rows) + 1 + cdiv(i_s, cfg.shared_rows), b)
+        _, gate_up = got[b]["_moe_gate_up_mma_kernel"]
+        assert (gate_up["BLOCK_N"], gate_up["num_warps"]) == (cfg.mma_rows, min(cfg.mma_warps, 8))
+        down_grid, down = got[b]["_moe_down_mma_kernel"]
+        rows = cfg.mma_down_rows or cfg.mma_rows
+        assert (down["BLOCK_N"], down["num_warps"]) == (rows, cfg.mma_down_warps or cfg.mma_warps)
+        assert down_grid == (cdiv(d, rows), b)
+    x = draw_rows(w, 5, d, k, nw, "overlap", seed=59)
+    y = _step_moe(x, w, k, nw)
+    assert y.shape == (5, d) and y.dtype == torch.bfloat16
+    assert max(check_rows(y, x, w, k, nw, x)) < BOUND
+
+
+def test_the_compile_matrix_sees_the_row_table(monkeypatch):
+    """An entry put in MOE_ROWS_CONFIGS reaches the compile matrix: the registry
+    (lily/ops/launchable.py, the engine's batched steps on meta tensors) records moe_decode's
+    launches at the table's tile from its key up to MAX_ROWS, the defaults below it."""
+    import lily.model.ops as model_ops
+    from lily.ops.arch import DEFAULT
+    from lily.ops.launchable import Variant, launches
+
+    monkeypatch.setattr(model_ops, "MOE_ROWS_CONFIGS", {5: WIDE_ROWS})
+    found = launches.__wrapped__(Variant("tiny"), DEFAULT)  # (uncached: the table is patched)
+    tiles: dict[tuple[str, int], set[int]] = {}
+    for launch, where in found.items():
+        if launch.module not in ("lily.ops.moe_decode", "lily.ops.moe_decode_mma"):
+            continue
+        kw = dict(launch.kwargs)
+        tile = kw["R_BN"] if launch.name == "_moe_router_kernel" else kw["BLOCK_N"]
+        rows = {int(p.split("B=")[1].split()[0]) for p in where
+                if p.startswith("decode rows B=") and not p.endswith("ROWS_MOE")}  # fmt: skip
+        tiles.setdefault((launch.name, tile), set()).update(rows)
+    below, above = set(range(2, 5)), set(range(5, 17))
+    assert tiles[("_moe_router_kernel", 4)] == below
+    assert tiles[("_moe_router_kernel", 8)] == above
+    for name in ("_moe_gate_up_mma_kernel", "_moe_down_mma_kernel"):
+        assert tiles[(name, 16)] == below and tiles[(name, 32)] == above
+
+
+def test_row_table_entries_are_tiles():
+    """Every MOE_ROWS_CONFIGS entry as shipped: a MoeDecodeConfig for 2..MAX_ROWS rows."""
+    from lily.model.ops import MAX_ROWS, MOE_ROWS_CONFIGS
+
+    for b, cfg in MOE_ROWS_CONFIGS.items():
+        assert 2 <= b <= MAX_ROWS and isinstance(cfg, MoeDecodeConfig)

@@ -121,8 +121,19 @@ def test_rows_reject_what_they_do_not_run():
         qgemv_mma_rows(x, w, config=(16, 4))
 
 
-def test_rows_config_table():
-    """The (unmeasured) table: qgemv_mma's warps, BLOCK_N only grown (up to 64) where the
+@pytest.fixture
+def tiles(monkeypatch):
+    """MEASURED_TILES emptied for the test (the table's cache cleared around it)."""
+    import lily.ops.qgemv_mma_rows as mod
+
+    monkeypatch.setattr(mod, "MEASURED_TILES", {})
+    mma_rows_config.cache_clear()
+    yield mod.MEASURED_TILES
+    mma_rows_config.cache_clear()
+
+
+def test_rows_config_table(tiles):
+    """The (unmeasured) rule: qgemv_mma's warps, BLOCK_N only grown (up to 64) where the
     grid keeps a program an SM; the model's wide shapes get 64 rows a program at 16 rows of
     x, the narrow o_proj keeps qgemv_mma's tile."""
     shapes = [(12352, 2048), (9216, 2048), (2048, 4096), (248320, 2048), (8192, 2048)]
@@ -135,3 +146,26 @@ def test_rows_config_table():
             assert cfg.block_n == base.block_n or -(-n // cfg.block_n) >= 132, (n, k, b, cfg)
     assert mma_rows_config(248320, 2048, 64, 16).block_n == 64
     assert mma_rows_config(2048, 4096, 64, 16) == MmaGemvConfig(16, 16)
+
+
+def test_measured_tiles_come_first(tiles):
+    """A MEASURED_TILES entry of a shape serves B from its key up (the largest key <= B),
+    the rule below the smallest key and for other shapes and group sizes."""
+    rule = {b: mma_rows_config(2048, 4096, 64, b) for b in (1, 2, 5, 16)}
+    mma_rows_config.cache_clear()
+    tiles[(2048, 4096, 64)] = {2: MmaGemvConfig(16, 8), 9: MmaGemvConfig(32, 8)}
+    assert mma_rows_config(2048, 4096, 64, 1) == rule[1]
+    assert mma_rows_config(2048, 4096, 64, 2) == mma_rows_config(2048, 4096, 64, 8) == (
+        MmaGemvConfig(16, 8))  # fmt: skip
+    assert mma_rows_config(2048, 4096, 64, 16) == MmaGemvConfig(32, 8)
+    assert mma_rows_config(2048, 4096, 32, 5) != MmaGemvConfig(16, 8)  # another group size
+    assert mma_rows_config(8192, 2048, 64, 5) == mma_gemv_config(8192, 2048, 64)
+
+
+def test_measured_tiles_are_tiles():
+    """Every entry in the table as shipped: a tile for 1..MAX_ROWS rows of a 4-bit shape."""
+    from lily.ops.qgemv_mma_rows import MEASURED_TILES
+
+    for (n, k, gs), by_rows in MEASURED_TILES.items():
+        assert n > 0 and k % gs == 0 and gs in (32, 64, 128)
+        assert all(1 <= b <= MAX_ROWS and isinstance(c, MmaGemvConfig) for b, c in by_rows.items())

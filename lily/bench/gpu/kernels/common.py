@@ -9,7 +9,9 @@ mixer, tile_sweep, moe_tile, moe_rows, repeat and diagnostics.gemv_trace; not a 
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,8 +135,12 @@ def cfg_str(cfg) -> str:
     if isinstance(cfg, GemmConfig):
         return f"m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
     if isinstance(cfg, MoeDecodeConfig):
-        if cfg.mma:
-            return f"r{cfg.router_rows} s{cfg.shared_rows} mma n{cfg.mma_rows} w{cfg.mma_warps}"
+        if cfg.mma:  # (the down tile and the router's warps shown where not the defaults)
+            out = f"r{cfg.router_rows} s{cfg.shared_rows} mma n{cfg.mma_rows} w{cfg.mma_warps}"
+            if cfg.mma_down_rows or cfg.mma_down_warps:
+                rows, warps = cfg.mma_down_rows or cfg.mma_rows, cfg.mma_down_warps or cfg.mma_warps
+                out += f" dn n{rows} w{warps}"
+            return out + (f" rw{cfg.num_warps}" if cfg.num_warps != 4 else "")
         return (f"r{cfg.router_rows} s{cfg.shared_rows} gu{cfg.gate_up_rows} "
                 f"dn{cfg.down_rows} w{cfg.num_warps}/{cfg.down_warps}")  # fmt: skip
     if isinstance(cfg, MmaGemvConfig):
@@ -276,3 +282,55 @@ def compile_sm90(fn, args, const: dict, opts: dict, aligned_tensors: bool):
 def cuobjdump() -> str:
     """The cuobjdump Triton ships (reads a cubin's registers and SASS)."""
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+
+
+def sweep_args(ap, lines: str) -> None:
+    """``--sweep-only`` (with --variants: ``lines`` alone) and ``--max-seconds``, the
+    options of a script whose tile sweep must fit a time limit."""
+    ap.add_argument("--sweep-only", action="store_true",
+                    help=f"only the {lines} lines (the table's tile and the sweep)")  # fmt: skip
+    ap.add_argument(
+        "--max-seconds",
+        type=float,
+        help="start no line past this many seconds (the JSON keeps the rest)",
+    )
+
+
+def write_json(path: str | None, obj) -> None:
+    """``obj`` as JSON at ``path`` (None: nothing), through a temporary file: a script
+    that rewrites it after each measured line leaves a whole file when it is stopped."""
+    if path:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1)
+        os.replace(tmp, path)
+
+
+_problems: dict = {}  # Launch -> what the compile matrix rejects in it (one check each)
+
+
+def compile_problems(fn) -> list[str]:
+    """What the compile matrix (lily/ops/matrix.py) would reject in the launches ``fn()``
+    makes on this GPU's arch: registers, spills past its stack limit, shared memory; one
+    line a kernel, [] where they fit (or the arch has no record). ``fn`` runs under
+    ``record_launches``: nothing is launched. Each config is compiled once a process (a
+    compile that fails here is printed, not held against the config: its launch will
+    show it)."""
+    from lily.ops.arch import ARCHS, current_arch
+    from lily.ops.launch import record_launches
+    from lily.ops.matrix import check, freeze, problems
+
+    arch = current_arch(torch.device(DEV)).name
+    if arch not in ARCHS:
+        return []
+    with record_launches() as rec:
+        fn()
+    out = []
+    for launch in (freeze(r) for r in rec):
+        if launch not in _problems:
+            res = check(launch, arch)
+            if res.error:
+                print(f"  compile check of {launch.name} failed: {res.error}", flush=True)
+            _problems[launch] = [] if res.error else problems(res)
+        out += [f"{launch.name}: {p}" for p in _problems[launch]]
+    return out
