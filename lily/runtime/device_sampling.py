@@ -7,8 +7,9 @@ every per-request value sits in a device tensor owned by the sampler, so one cap
 graph serves every request of the same `Structure` (which ops run), and the chosen id is
 written into a device tensor instead of being returned to the host.
 
-The random stream is a counter-based hash of (seed, draw number, token index): splitmix64
-in wrapping int64 torch ops (torch.Generator cannot be replayed from a graph here).
+The random stream is lily/runtime/draws.py's, the one every sampler draws from (a hash of
+seed, draw number and token index that a graph can replay): the host's ``Sampler`` draws
+the same tokens from the same logits, seed and draw number.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 
+from lily.runtime.draws import as_i64, perturbed, token_lanes
 from lily.runtime.sampling import (
     NO_TOKEN,
     SamplingParams,
@@ -27,51 +29,6 @@ from lily.runtime.sampling import (
     mark_seen,
     penalize,
 )
-
-GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment (the golden ratio in 64 bits)
-_MUL1 = 0xBF58476D1CE4E5B9
-_MUL2 = 0x94D049BB133111EB
-
-
-def as_i64(c: int) -> int:
-    """The int64 with the same 64 bits as ``c`` (torch has no uint64 arithmetic)."""
-    c %= 1 << 64
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 bits (torch's ``>>`` is arithmetic: mask the sign)."""
-    return (z >> s) & ((1 << (64 - s)) - 1)
-
-
-def mix64(z: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finalizer on int64 tensors (multiplications wrap like uint64's)."""
-    z = (z ^ _shr(z, 30)) * as_i64(_MUL1)
-    z = (z ^ _shr(z, 27)) * as_i64(_MUL2)
-    return z ^ _shr(z, 31)
-
-
-def uniforms(seed: torch.Tensor, step: torch.Tensor, lanes: torch.Tensor) -> torch.Tensor:
-    """float64 uniforms in (0, 1), one per lane, for draw ``step`` of ``seed`` (both (1,)).
-
-    ``lanes`` are ``(arange(V) + 1) * GAMMA`` (wrapped): the token index's splitmix state.
-    The draw's base is the splitmix output number ``step + 1`` of ``seed``; each token
-    then takes output ``i + 1`` of a second splitmix stream started at that base.
-    """
-    base = mix64(seed + (step + 1) * as_i64(GAMMA))
-    return to_unit(mix64(base + lanes))
-
-
-def token_lanes(vocab_size: int, device: torch.device) -> torch.Tensor:
-    """``(arange(V) + 1) * GAMMA`` (wrapped): each token index's splitmix state."""
-    return torch.arange(1, vocab_size + 1, dtype=torch.long, device=device) * as_i64(GAMMA)
-
-
-def to_unit(z: torch.Tensor) -> torch.Tensor:
-    """The top 52 bits of int64 ``z`` as a float64 strictly inside (0, 1)."""
-    # NOTE: 52 bits, so that the largest value, 1 - 2**-53, is a float64 below 1 (with 53
-    # bits it would round to 1.0, and -log(-log 1) is an infinite Gumbel draw).
-    return (_shr(z, 12).double() + 0.5) * 2.0**-52
 
 
 class Structure(NamedTuple):
@@ -201,9 +158,7 @@ class DeviceSampler:
         s = self.structure
         x = self.penalized(logits)
         if not s.greedy:
-            u = uniforms(self.seed, self.step, self.lanes)
-            # Gumbel-max: argmax(x + G), G = -log(-log U), picks i with prob softmax(x)_i.
-            x = self.warp(x) - (-u.log()).log().float()
+            x = perturbed(self.warp(x), self.seed, self.step, self.lanes)
         best = torch.argmax(x).view(1)
         tok = torch.where(torch.isfinite(x.gather(0, best)), best, -1)
         out.copy_(tok)

@@ -43,8 +43,9 @@ PART_BYTES = 128 * MiB  # attention prefill's split partials cap (lily/ops/atten
 SCORE_ELEMS = 1 << 26  # the reference attention's score block (lily/model/attention.py)
 SNAPSHOTS = 8  # turn-start snapshots one request is assumed to save (the server's guard)
 # A batched step's draw temporaries per logit of a row (lily/runtime/rows_sampling.py:
-# penalized and warped fp32 copies, the sort's values and int64 order, the fp64 uniforms
-# and their Gumbel transform; counted from the ops, an upper bound).
+# penalized and warped fp32 copies, the sort's values and int64 order, the random stream's
+# int64 hash and fp64 uniforms and their Gumbel transform (lily/runtime/draws.py); counted
+# from the ops, an upper bound).
 DRAW_BYTES = 64
 
 
@@ -67,7 +68,10 @@ def scratch_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk: int, kernels: boo
     last logits and the sampler's buffers. ``context`` matters to the reference path only
     (its attention materializes a score block up to SCORE_ELEMS)."""
     t, d, v = chunk, cfg.hidden_size, cfg.vocab_size
-    tail = 2 * v * 4 + 4 * v * 8  # fp32 logits (and a copy), the sampler's int64/fp64 lanes
+    # the fp32 logits, then a draw's temporaries (fp32 copies, the random stream's int64 hash
+    # and fp64 uniforms: lily/runtime/draws.py); what a sampler holds (its lanes, penalty
+    # tables) is in MARGIN's sampler buffers
+    tail = 2 * v * 4 + 4 * v * 8
     if not kernels:
         widths = (
             4 * d  # residual, normed input, mixer and MoE outputs

@@ -1,8 +1,9 @@
 """The device sampler over the rows of a batched decode step, in one set of launches.
 
 Row r draws for the request loaded into row r, with the maths, the order and the random
-stream of that request's own ``DeviceSampler`` (lily/runtime/device_sampling.py): the
-draws of a seeded request are the same numbered draws whether it runs alone or in a batch.
+stream of that request's own ``DeviceSampler`` (lily/runtime/device_sampling.py; the
+stream is lily/runtime/draws.py's): the draws of a seeded request are the same numbered
+draws whether it runs alone or in a batch.
 Graph-safe: every per-request value sits in row r of a device tensor, so the runner
 captures the draw in the batched step's graph; the ops a draw runs (``Structure``) are
 the union over the rows, each op left neutral where a row does not ask for it (penalties
@@ -17,7 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
-from lily.runtime.device_sampling import Structure, as_i64, token_lanes, uniforms
+from lily.runtime.device_sampling import Structure
+from lily.runtime.draws import as_i64, perturbed, token_lanes
 from lily.runtime.sampling import SamplingParams, mark_seen, penalize
 
 
@@ -100,9 +102,8 @@ class RowsSampler:
             x = penalize(x, self.seen[:n], self.counts[:n], self.repetition[:n],
                          self.frequency[:n], self.presence[:n])  # fmt: skip
         if not s.greedy:
-            u = uniforms(self.seed[:n], self.step[:n], self.lanes)
             # Gumbel-max, as DeviceSampler.sample_into; greedy rows keep the plain argmax
-            w = self._warp(x, n, s) - (-u.log()).log().float()
+            w = perturbed(self._warp(x, n, s), self.seed[:n], self.step[:n], self.lanes)
             x = torch.where(self.greedy[:n], x, w)
         best = torch.argmax(x, dim=-1, keepdim=True)
         tok = torch.where(torch.isfinite(x.gather(1, best)), best, -1)

@@ -2,17 +2,23 @@
 
 The sampler follows vLLM's order: repetition penalty (prompt and output tokens), frequency
 and presence penalties (output tokens), temperature (below 1e-5 means greedy), top-k,
-top-p, min-p, then one draw. Everything stays on the logits' device; the only host sync is
-the final `.item()` (or `.tolist()` for logprobs).
+top-p, min-p, then one Gumbel-max draw from the random stream of lily/runtime/draws.py,
+numbered by the draws made so far: the stream, the numbering and the maths of the device
+samplers (lily/runtime/device_sampling.py, rows_sampling.py), so a seeded request draws
+the same tokens from the same logits whichever sampler draws them. Everything stays on the
+logits' device; the only host sync is the final `.item()` (or `.tolist()` for logprobs).
 """
 
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from lily.runtime.draws import as_i64, perturbed, token_lanes
 
 GREEDY_BELOW = 1e-5  # a temperature below this is greedy decoding
 NO_TOKEN = "no token to sample: the logits are all -inf or contain NaN"
@@ -106,9 +112,10 @@ def _integer(name: str, value: object, lo: int, hi: int | None = None) -> None:
 
 
 class Sampler:
-    """Draws tokens for one request. Holds its random generator and token counts.
+    """Draws tokens for one request. Holds its seed, its draw count and its token counts.
 
     Call `observe_prompt` once with the prompt ids, then per step `sample` and `observe`.
+    `seed`: the request's seed, or one from the OS's entropy when it gave none.
     """
 
     def __init__(self, params: SamplingParams, vocab_size: int, device: torch.device | str):
@@ -117,13 +124,23 @@ class Sampler:
             raise ValueError(f"vocab_size: must be >= 1, got {vocab_size}")
         self.params = params
         self.vocab_size = vocab_size
-        self.device = torch.device(device)
-        self.generator = torch.Generator(device=self.device)
-        if params.seed is None:
-            self.seed = self.generator.seed()  # from the OS's entropy
-        else:
-            self.generator.manual_seed(params.seed)
-            self.seed = params.seed
+        self.device = dev = torch.device(device)
+        self.seed = params.seed if params.seed is not None else secrets.randbits(64)
+        self._seed = torch.full((1,), as_i64(self.seed), dtype=torch.long, device=dev)
+        self._step = torch.zeros(1, dtype=torch.long, device=dev)  # draws made so far
+        # NOTE: held, as the device samplers hold theirs (V int64 per request, the size of
+        # its penalty tables): made per draw, they would raise the draw's peak above theirs.
+        self._lanes = token_lanes(vocab_size, dev)
+
+        def value(v: float) -> torch.Tensor:
+            return torch.full((1,), v, dtype=torch.float32, device=dev)
+
+        # NOTE: what the logits are divided by sits in fp32 tensors, as in the device
+        # samplers: CUDA divides by a Python float as a multiplication by its reciprocal,
+        # which can differ in the last bit (and so, rarely, in the token drawn).
+        self._temperature = value(params.temperature)
+        self._penalties = tuple(value(v) for v in (params.repetition_penalty,
+                                params.frequency_penalty, params.presence_penalty))  # fmt: skip
         self._penalize = params.has_penalties
         # Counts live on the device so penalties never copy them to the host.
         self._seen = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)
@@ -147,15 +164,13 @@ class Sampler:
         x = logits.float()
         if not self._penalize:
             return x
-        p = self.params
-        return penalize(x, self._seen, self._counts, p.repetition_penalty,
-                        p.frequency_penalty, p.presence_penalty)  # fmt: skip
+        return penalize(x, self._seen, self._counts, *self._penalties)
 
     def warp(self, x: torch.Tensor) -> torch.Tensor:
         """Penalized fp32 logits -> temperature-scaled logits with the tokens that top-k,
         top-p and min-p exclude set to -inf (what `sample` draws from when not greedy)."""
         p = self.params
-        x = x / p.temperature
+        x = x / self._temperature
         if 0 < p.top_k < self.vocab_size:
             kth = torch.topk(x, p.top_k).values[-1]
             x = x.masked_fill(x < kth, -math.inf)  # NOTE: ties with the k-th are kept
@@ -170,11 +185,8 @@ class Sampler:
         """Pick the next token from `logits` (V,) of any float dtype."""
         x = self.penalized(logits)
         if not self.params.greedy:
-            x = self.warp(x)
-            # Gumbel-max draw: argmax(x - log E), E ~ Exp(1), picks i with prob softmax(x)_i
-            # and, unlike torch.multinomial, needs no normalization or validity check.
-            e = torch.empty_like(x).exponential_(generator=self.generator)
-            x = x - e.clamp_min(torch.finfo(torch.float32).tiny).log()
+            x = perturbed(self.warp(x), self._seed, self._step, self._lanes)
+        self._step.add_(1)  # every draw counts, greedy too (as the device samplers count)
         best = torch.argmax(x)
         # One sync for both the id and whether anything was sampleable at all. NOTE: `take`,
         # not x[best]: indexing by a 0-dim device tensor reads the index on the host (a sync).

@@ -10,8 +10,10 @@ Its token is drawn either on the host side of the logits (``Sampler``: logits pr
 and log-probs need it) or, where the runner samples on the device, by the device sampler's
 maths (``device_draws``): alone by the runner's graph-captured sampler, in a batched step
 by the runner's rows sampler (lily/runtime/rows_sampling.py), its first token beside
-others by its own ``DeviceSampler`` (``draw_into``). All number the draws the same way and
-key them by the same seed, so a seeded request draws the same stream either way.
+others by its own ``DeviceSampler`` (``draw_into``). All draw from one random stream
+(lily/runtime/draws.py), number the draws the same way and key them by the same seed, so a
+seeded request draws the same tokens from the same logits either way (with or without
+log-probs, for one).
 """
 
 from __future__ import annotations

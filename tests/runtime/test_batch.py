@@ -4,7 +4,8 @@ cancellation, each stream equal to the same request run alone (``Engine.generate
 
 The device-draw mode runs on the CPU too (the runner's eager device sampler): a lone
 request takes the pipelined single-sequence path, leaves it when others join and takes it
-up again when they are gone, and its seeded stream does not change.
+up again when they are gone, and its seeded stream does not change; nor does it when
+log-probs or a logits processor send its draws to the host.
 """
 
 from __future__ import annotations
@@ -170,6 +171,32 @@ def test_a_request_changes_mode_without_changing_its_stream(hf_tiny_dir):
     # both modes really ran; batched, the steps went one ahead of the host
     assert calls["rows"] >= 1 and calls["ahead"] >= 2 and calls["sampled"] >= 10
     assert len(set(o.token_id for o in got[0])) > 5  # really sampled
+
+
+def test_log_probs_or_a_processor_leave_a_seeded_stream_as_it_is(hf_tiny_dir):
+    """On a runner that draws on the device, a request with log-probs or a logits processor
+    draws on the host (``Sampler``) instead: the same seeded request gives the same tokens
+    either way, alone (against the pipelined device draws) and batched (against the rows
+    sampler)."""
+    engine = make(hf_tiny_dir, True)
+    plain = SamplingParams(seed=5, max_tokens=9, **SAMPLED)
+    lp = SamplingParams(seed=5, max_tokens=9, logprobs=2, **SAMPLED)
+
+    def keep(generated, logits):  # a processor that changes nothing
+        return logits
+
+    def ids(outs):
+        return [o.token_id for o in outs]
+
+    want = ids(alone(engine, P2, plain))
+    assert len(set(want)) > 4  # really sampled
+    assert ids(alone(engine, P2, lp)) == want
+    assert ids(alone(engine, P2, plain, keep)) == want
+    got, seqs = drive(engine, [dict(at=0, prompt=P2, params=plain),
+                               dict(at=0, prompt=P2, params=lp),
+                               dict(at=0, prompt=P2, params=plain, processor=keep)])  # fmt: skip
+    assert [seqs[i].device_draws for i in range(3)] == [True, False, False]
+    assert [ids(got[i]) for i in range(3)] == [want] * 3
 
 
 def test_cancel_ends_one_request_only(hf_tiny_dir):

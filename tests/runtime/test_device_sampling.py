@@ -1,7 +1,7 @@
 """The device sampler against independent references: argmax by plain Python, kept sets by
 `Sampler.warp` (itself tested against float64 maths in tests/test_sampling.py), draw
-frequencies by a chi-square that a wrong temperature fails, the hash by a pure-Python
-splitmix64."""
+frequencies by a chi-square that a wrong temperature fails. Its random stream is tested in
+test_draws.py."""
 
 from __future__ import annotations
 
@@ -11,22 +11,8 @@ import random
 import pytest
 import torch
 
-from lily.runtime.device_sampling import DeviceSampler, Structure, mix64, to_unit, uniforms
+from lily.runtime.device_sampling import DeviceSampler, Structure
 from lily.runtime.sampling import Sampler, SamplingParams
-
-M64 = (1 << 64) - 1
-
-
-def splitmix_ref(z: int) -> int:
-    """splitmix64's finalizer on Python ints (unsigned 64-bit)."""
-    z &= M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
-    return z ^ (z >> 31)
-
-
-def signed(u: int) -> int:
-    return u - (1 << 64) if u >= 1 << 63 else u
 
 
 def draw(sampler: DeviceSampler, logits: torch.Tensor) -> int:
@@ -50,31 +36,6 @@ def host_sampler(params: SamplingParams, vocab: int, prompt: list[int], out: lis
     for t in out:
         s.observe(t)
     return s
-
-
-# ---- the hash
-def test_mix64_is_splitmix64_bit_for_bit() -> None:
-    rng = random.Random(0)
-    xs = [0, 1, M64, 1 << 63, (1 << 63) - 1] + [rng.getrandbits(64) for _ in range(200)]
-    got = mix64(torch.tensor([signed(x) for x in xs], dtype=torch.long)).tolist()
-    assert got == [signed(splitmix_ref(x)) for x in xs]
-
-
-def test_uniforms_match_the_reference_and_stay_inside_0_1() -> None:
-    gamma = 0x9E3779B97F4A7C15
-    lanes = torch.arange(1, 65, dtype=torch.long) * signed(gamma)
-    for seed, step in [(0, 0), (7, 3), (signed(M64), 1000), (-(2**63), 5)]:
-        u = uniforms(torch.tensor([seed]), torch.tensor([step]), lanes).tolist()
-        base = splitmix_ref(seed + (step + 1) * gamma)
-        want = [((splitmix_ref(base + i * gamma) >> 12) + 0.5) / 2**52 for i in range(1, 65)]
-        assert u == want
-    # The extreme bit patterns land strictly inside (0, 1).
-    lo, hi = to_unit(torch.tensor([0, -1])).tolist()
-    assert 0.0 < lo < 1e-15 and 1.0 - 1e-15 < hi < 1.0
-    v = uniforms(torch.tensor([3]), torch.tensor([0]), torch.arange(1, 200_001) * signed(gamma))
-    assert 0.0 < float(v.min()) and float(v.max()) < 1.0
-    hist = torch.histc(v, bins=10, min=0.0, max=1.0) / v.numel()
-    assert float((hist - 0.1).abs().max()) < 0.005  # ~7 standard deviations of a bin
 
 
 def test_same_seed_and_step_same_draw_otherwise_different() -> None:

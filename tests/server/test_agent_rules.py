@@ -37,7 +37,8 @@ NO_THINK = {"enable_thinking": False}
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     """The main server's settings, on the CPU: the seeds below were chosen on the reference
-    path's numbers, and on a GPU the kernels (bf16) draw other tokens from the random model.
+    path's numbers and the random stream of lily/runtime/draws.py, and on a GPU the kernels
+    (bf16) draw other tokens from the random model.
     The rules under test are the server's, the same on any device."""
     log = tmp_path_factory.mktemp("logs") / "agent_rules.log"
     yield from main_server(model_dir, log, "--device", "cpu")
@@ -97,7 +98,7 @@ def test_required_call_with_thinking_gets_its_turn(http):
         json.loads(calls[0]["arguments"])
 
 
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", [2, 10])
 def test_required_call_with_thinking_completes_with_typed_arguments(http, seed):
     """With the city bounded the call completes: reasoning closed at 100 tokens (half of
     max_tokens kept for the call), then both required arguments with their types."""
@@ -152,7 +153,7 @@ def test_named_call_arguments_have_their_types(http):
 
 def test_parallel_tool_calls_false_gives_one_call(http):
     body = {"messages": ASK, "tools": [BOUNDED], "tool_choice": "required", "max_tokens": 150,
-            "seed": 4, "chat_template_kwargs": NO_THINK}  # fmt: skip
+            "seed": 3, "chat_template_kwargs": NO_THINK}  # fmt: skip
     many = http.post("/v1/chat/completions", json=body).json()["choices"][0]
     assert len(many["message"]["tool_calls"]) == 2  # this seed writes two
     full, streamed = both(http, {**body, "parallel_tool_calls": False})
@@ -161,7 +162,7 @@ def test_parallel_tool_calls_false_gives_one_call(http):
 
 
 def test_thinking_budget_closes_the_reasoning(http):
-    body = {"messages": ASK, "max_tokens": 12, "seed": 5, "logprobs": True}
+    body = {"messages": ASK, "max_tokens": 12, "seed": 1, "logprobs": True}
     for field in ("thinking_budget", "max_thinking_tokens"):
         r = http.post("/v1/chat/completions", json={**body, field: 4}).json()
         tokens = [e["token"] for e in r["choices"][0]["logprobs"]["content"]]
