@@ -1,0 +1,107 @@
+"""Where a batched decode step's time goes, by batch size (one GPU call).
+
+On the full-size random model on the kernels: ``--rows``' largest number of sequences, each
+prefilled with ``--context`` tokens of its own pseudo-text; then for each batch size B the
+batched step of the first B (``Runner.decode_rows``, its CUDA graph) is timed by replay
+(CUDA events, median) and one replay is profiled (decode_timeline's exposed time by layer
+kind and by kernel), with the host's wall time of a whole ``decode_rows`` call beside it
+and the one-row step's replay for scale. ``--variants`` repeats it with the batched step's
+switches of lily/model/ops.py changed, in the same process: ``no_rows_mma`` (projections on
+qgemv/qgemm), ``rows_moe`` (the MoE on moe_decode_rows).
+
+    python3 -m lily.bench.gpu.diagnostics.rows_timeline --rows 2,4,8 --out $OUT/rows.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+
+import torch
+
+import lily.model.ops as ops_mod
+from lily.bench.gpu.diagnostics.decode_timeline import timeline
+from lily.bench.gpu.full_model import full_params, kernel_engine, write_json
+from lily.bench.measure import pseudo_text_ids, replay_ms
+
+SWITCHES = {"current": {}, "no_rows_mma": {"ROWS_MMA": False}, "rows_moe": {"ROWS_MOE": True}}
+
+
+@contextlib.contextmanager
+def switched(name: str, runner):
+    """lily/model/ops.py's switches of variant ``name`` while measuring (graphs rebuilt)."""
+    if name not in SWITCHES:
+        raise SystemExit(f"unknown variant {name!r}: one of {', '.join(SWITCHES)}")
+    old = {k: getattr(ops_mod, k) for k in SWITCHES[name]}
+    for k, v in SWITCHES[name].items():
+        setattr(ops_mod, k, v)
+    runner.graphs.clear()
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(ops_mod, k, v)
+        runner.graphs.clear()
+
+
+def wall_ms(runner, tokens: list[int], states: list, n: int = 20) -> float:
+    """Host wall time of one ``decode_rows`` call, synchronised, over ``n`` calls."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        runner.decode_rows(tokens, states)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", default="2,4,8", help="batch sizes B (at least 2)")
+    ap.add_argument("--context", type=int, default=1024, help="tokens prefilled per sequence")
+    ap.add_argument("--variants", default="current", help=", ".join(SWITCHES))
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    rows = [int(b) for b in args.rows.split(",")]
+    if min(rows) < 2:
+        raise SystemExit("--rows: batch sizes of at least 2 (one row is the single step)")
+    engine = kernel_engine(full_params(), max_context=args.context + 4096)
+    runner = engine.runner
+    states = []
+    for i in range(max(rows)):
+        st = engine.new_state()
+        runner.prefill(pseudo_text_ids(args.context, engine.cfg.vocab_size, 5 + i), st)
+        states.append(st)
+    results = []
+    for name in args.variants.split(","):
+        with switched(name, runner):
+            for b in rows:
+                toks = [17] * b
+                for _ in range(3):  # capture, then settle
+                    runner.decode_rows(toks, states[:b])
+                wall = wall_ms(runner, toks, states[:b])
+                graph = [v for k, v in runner.graphs.items() if k[0] == "rows" and k[1] == b][-1][0]
+                ms = replay_ms(graph)
+                tl = timeline(graph)
+                results.append({"variant": name, "rows": b, "context": args.context,
+                                "step_ms": round(ms, 4), "wall_ms": round(wall, 4),
+                                "tok_per_s": round(b * 1e3 / ms, 1), **tl})  # fmt: skip
+                kinds = ", ".join(f"{k} {v['exposed_us']:.0f}" for k, v in tl["by_kind"].items())
+                print(f"{name} B={b}: step {ms:.3f} ms ({b * 1e3 / ms:.0f} tok/s), wall "
+                      f"{wall:.3f} ms, {tl.get('kernels')} kernels; exposed us: {kinds}",
+                      flush=True)  # fmt: skip
+                for k, v in list(tl["by_kernel"].items())[:8]:
+                    print(f"    {k}: {v}", flush=True)
+            write_json(args.out, args, results=results)  # after each variant: kept if cut
+    st = states[0]
+    for _ in range(3):
+        runner.decode(17, st)
+    one = replay_ms(runner._graph(st, st.length)[0])
+    results.append({"variant": "one row", "rows": 1, "context": args.context,
+                    "step_ms": round(one, 4)})  # fmt: skip
+    print(f"one row: step {one:.3f} ms ({1e3 / one:.0f} tok/s)", flush=True)
+    write_json(args.out, args, results=results)
+
+
+if __name__ == "__main__":
+    main()
