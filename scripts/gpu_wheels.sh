@@ -9,6 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PKGS=(fastapi starlette uvicorn httpx2 httpcore2 h11 truststore pydantic pydantic-core annotated-types annotated-doc
       typing-inspection opentelemetry-api llguidance openai distro jiter sniffio anthropic
+      docstring-parser
       jsonschema referencing rpds-py jsonschema-specifications mlx mlx-cpu mlx-lm)
 pins=()
 for p in "${PKGS[@]}"; do
