@@ -69,6 +69,15 @@ def timeline(graph) -> dict:
             "by_kernel": rows(by_name)}  # fmt: skip
 
 
+def print_timeline(head: str, tl: dict, top: int = 10) -> None:
+    """``head``, then ``timeline``'s kernel count and exposed time by kind (us), then its
+    ``top`` kernels by exposed time."""
+    kinds = ", ".join(f"{k} {v['exposed_us']:.0f}" for k, v in tl["by_kind"].items())
+    print(f"{head}, {tl.get('kernels')} kernels; exposed: {kinds}", flush=True)
+    for k, v in list(tl["by_kernel"].items())[:top]:
+        print(f"    {k}: {v}", flush=True)
+
+
 @contextlib.contextmanager
 def variant(name: str, runner, swaps: dict):
     """Switch one thing for the duration of a measurement."""
@@ -130,12 +139,8 @@ def main() -> None:
             row = {"context": ctx, "variant": name, "step_ms": round(ms, 4),
                    "tok_per_s": round(1e3 / ms, 1), **tl}  # fmt: skip
             results.append(row)
-            kinds = ", ".join(f"{k} {v['exposed_us']:.0f}" for k, v in tl["by_kind"].items())
-            print(f"ctx {ctx} {name}: step {ms * 1e3:.1f} us ({1e3 / ms:.1f} tok/s), "
-                  f"span {tl.get('span_us')} us, {tl.get('kernels')} kernels; exposed: {kinds}",
-                  flush=True)  # fmt: skip
-            for k, v in list(tl["by_kernel"].items())[:10]:
-                print(f"    {k}: {v}", flush=True)
+            print_timeline(f"ctx {ctx} {name}: step {ms * 1e3:.1f} us ({1e3 / ms:.1f} tok/s), "
+                           f"span {tl.get('span_us')} us", tl)  # fmt: skip
     write_json(args.out, args, results=results)
 
 

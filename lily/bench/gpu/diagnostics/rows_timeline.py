@@ -21,7 +21,7 @@ import time
 import torch
 
 import lily.model.ops as ops_mod
-from lily.bench.gpu.diagnostics.decode_timeline import timeline
+from lily.bench.gpu.diagnostics.decode_timeline import print_timeline, timeline
 from lily.bench.gpu.full_model import full_params, kernel_engine, write_json
 from lily.bench.measure import pseudo_text_ids, replay_ms
 
@@ -86,12 +86,8 @@ def main() -> None:
                 results.append({"variant": name, "rows": b, "context": args.context,
                                 "step_ms": round(ms, 4), "wall_ms": round(wall, 4),
                                 "tok_per_s": round(b * 1e3 / ms, 1), **tl})  # fmt: skip
-                kinds = ", ".join(f"{k} {v['exposed_us']:.0f}" for k, v in tl["by_kind"].items())
-                print(f"{name} B={b}: step {ms:.3f} ms ({b * 1e3 / ms:.0f} tok/s), wall "
-                      f"{wall:.3f} ms, {tl.get('kernels')} kernels; exposed us: {kinds}",
-                      flush=True)  # fmt: skip
-                for k, v in list(tl["by_kernel"].items())[:8]:
-                    print(f"    {k}: {v}", flush=True)
+                print_timeline(f"{name} B={b}: step {ms:.3f} ms ({b * 1e3 / ms:.0f} tok/s), "
+                               f"wall {wall:.3f} ms", tl, top=8)  # fmt: skip
             write_json(args.out, args, results=results)  # after each variant: kept if cut
     st = states[0]
     for _ in range(3):
