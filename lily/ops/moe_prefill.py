@@ -33,7 +33,7 @@ import triton.language as tl
 
 from lily.ops.arch import DEFAULT, Arch, current_arch
 from lily.ops.launch import cdiv, launched, mask_lo, pow2
-from lily.ops.moe_decode import check_moe
+from lily.ops.moe_checks import check_moe
 from lily.ops.moe_decode_parts import topk_rows
 from lily.ops.qgemm import (
     GemmConfig,
