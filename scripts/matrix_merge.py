@@ -1,5 +1,7 @@
 """Merge the per-arch compile-matrix results a machine saved (scripts/gpu_suite.sh writes
-them under $OUT/matrix) into one file to commit beside the stored results:
+them under $OUT/matrix) into one file to commit beside the stored results, keeping what that
+file already holds (a run saves only what it compiled, and the device may not return
+every file):
 
     python3 scripts/matrix_merge.py DIR tests/ops/compile_matrix_results_gpu_machine.json
 
@@ -24,9 +26,13 @@ def main(argv: list[str]) -> int:
         print(f"no compile_matrix_results_*.json under {src}", file=sys.stderr)
         return 1
     rows, version = {}, None
+    if dst.exists():
+        old = json.loads(dst.read_text())
+        version = old["triton"]
+        rows = {e["key"]: e for e in old["results"]}
     for f in files:
         data = json.loads(f.read_text())
-        version = version or data["triton"]
+        version = data["triton"]
         rows |= {e["key"]: e for e in data["results"]}
     body = ",\n".join(json.dumps(rows[k], sort_keys=True) for k in sorted(rows))
     dst.write_text(f'{{"triton": "{version}", "results": [\n{body}\n]}}\n')

@@ -102,13 +102,20 @@ ROWS_MOE = False
 # (keys 2 to MAX_ROWS; none: MoeDecodeConfig's defaults, tuned for one row, where the grid
 # must be wide to fill the SMs). Empty until measured: the figures are to come from
 # `lily bench --run kernels.moe_rows -- --variants` on the H200, which prints each B's
-# fastest tile as an entry of this table (the 2026-12-02 step spent 82-89 us a layer at 8
-# rows on the defaults against a 25.8 us floor, docs/notes/batching.md). The compile matrix
-# (lily/ops/launchable.py) and the warm-up run every batch size through this dispatch, so
-# an entry is compiled and checked there.
+# fastest tile as an entry of this table. Measured on the H200 on 2026-12-02
+# (bench/results/moe_rows_sweep_h200_s6.json, us a layer against the one-row defaults):
+# 2 rows 24.8 (27.0), 4 rows 42.0 (47.4), 8 rows 75.1 (88.0), 16 rows 137.9 (168.3); the
+# byte floor at 8 rows is 24.4. The compile matrix (lily/ops/launchable.py) and the
+# warm-up run every batch size through this dispatch, so an entry is compiled and checked
+# there.
 # NOTE: MoeDecodeConfig needs Triton; without it the table stays empty (reference ops).
 MOE_ROWS_CONFIGS: dict[int, MoeDecodeConfig] = {} if not HAS_KERNELS else {
-    # B: MoeDecodeConfig(...), from the H200 (none measured yet)
+    2: MoeDecodeConfig(shared_rows=4, mma_rows=32, mma_warps=4, mma_down_rows=32,
+                       mma_down_warps=8),
+    4: MoeDecodeConfig(router_rows=8, mma_rows=32, mma_warps=4, mma_down_rows=32,
+                       mma_down_warps=8),
+    8: MoeDecodeConfig(router_rows=8, mma_rows=32, mma_warps=4, mma_down_rows=16,
+                       mma_down_warps=4),
 }  # fmt: skip
 
 

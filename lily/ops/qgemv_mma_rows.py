@@ -73,9 +73,20 @@ def _qgemv_mma_rows_kernel(
 # Measured tiles, ahead of the rule in mma_rows_config: (N, K, group size) -> {B: tile},
 # the entry of the largest B key <= B (none: the rule). A measured change is one entry;
 # `lily bench --run kernels.gemv_rows -- --variants` prints each shape's and B's fastest
-# tile as one. (2026-12-02, not entered yet: o_proj 2048 x 4096 took 5.8 us with n16 w8
-# against the rule's n16 w16's 7.2 at every B from 2 to 8, docs/notes/batching.md.)
-MEASURED_TILES: dict[tuple[int, int, int], dict[int, MmaGemvConfig]] = {}
+# tile as one. Measured on the H200 on 2026-12-02 (bench/results/gemv_rows_sweep_h200_s6.json,
+# us at B = 2 / 8 / 16, the rule's tile in brackets): o_proj 5.65 / 5.81 / 7.89 (6.84 /
+# 7.12 / 11.04); attention q|k|v 12.7 / 13.3 (15.6 / 15.6), the rule's n64 w8 kept at 16;
+# DeltaNet qkv|z|b|a 13.3 / 13.9 (17.0 / 16.5), likewise; lm_head 168 / 173 / 270 (266 /
+# 238 / 428). Fewer warps a tile won at every shape: the B columns already give each warp
+# its MMA's N. From 9 rows (16 columns) the compile matrix finds n32 w4 spilling 1.2 KB a
+# thread where the input norm is fused (lm_head's 270 us at 16 rows ran on the H200, whose
+# own check let it through), so those shapes keep the rule's n64 w8 from 9 rows.
+MEASURED_TILES: dict[tuple[int, int, int], dict[int, MmaGemvConfig]] = {
+    (2048, 4096, 64): {2: MmaGemvConfig(16, 8)},
+    (9216, 2048, 64): {2: MmaGemvConfig(32, 4), 9: MmaGemvConfig(64, 8)},
+    (12352, 2048, 64): {2: MmaGemvConfig(32, 4), 9: MmaGemvConfig(64, 8)},
+    (248320, 2048, 64): {2: MmaGemvConfig(32, 4), 9: MmaGemvConfig(64, 8)},
+}  # fmt: skip
 
 
 @functools.lru_cache(maxsize=1024)  # tiles are pure functions of the shape
