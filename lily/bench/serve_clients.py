@@ -95,7 +95,9 @@ def _client_main(conn, stop, url: str, timeout: float) -> None:
     try:
         from openai import OpenAI
 
-        client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=timeout)
+        # (the benchmark enforces ``timeout`` on the whole stream; this is only a backstop)
+        client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
+                        timeout=timeout + 10)  # fmt: skip
         conn.send(("ready", os.getpid(), _clock()))
         while (task := conn.recv()) is not None:
             ids, max_tokens, sampled, stoppable = task
@@ -112,7 +114,7 @@ class _Worker:
     def __init__(self, ctx, url: str, timeout: float):
         self.conn, child = ctx.Pipe()
         self.stop = ctx.Event()
-        self.started = _clock()
+        self.started, self.pid = _clock(), 0
         self.proc = ctx.Process(target=_client_main, args=(child, self.stop, url, timeout),
                                 name="lily-bench-client", daemon=True)  # fmt: skip
         self.proc.start()
@@ -150,7 +152,7 @@ class Batch:
         if record is None:
             w.kill()
             self.load._all.remove(w)
-            self.streams[i].error = error
+            self.streams[i].error, self.streams[i].pid = error, w.pid
         else:
             self.streams[i] = record
             self.load._idle.append(w)
@@ -219,6 +221,10 @@ class Load:
 
     def _workers(self, n: int) -> list:
         """``n`` ready client processes (more started as needed), or why one is not."""
+        for w in [w for w in self._idle if not w.proc.is_alive()]:  # (died while idle)
+            w.kill()
+            self._idle.remove(w)
+            self._all.remove(w)
         new = [_Worker(self._ctx, self.url, self.timeout) for _ in range(n - len(self._idle))]
         self._all += new
         deadline = _clock() + 120  # (importing openai on a loaded machine)
@@ -239,7 +245,8 @@ class Load:
         for w, ids in zip(workers, prompts, strict=True):
             if not isinstance(w, str):
                 w.stop.clear()
-                w.conn.send((ids, max_tokens, self.sampled, stoppable))
+                with contextlib.suppress(OSError):  # (a process gone: Batch records it)
+                    w.conn.send((ids, max_tokens, self.sampled, stoppable))
         return Batch(self, workers, self.timeout)
 
     def run(self, ids: list[int], max_tokens: int) -> Stream:
