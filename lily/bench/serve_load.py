@@ -1,6 +1,10 @@
 """Concurrent streams against a live server, measured as a user sees them: the official
-``openai`` client streaming completions from ``lily serve`` (in this process, on an engine
-built by the caller; lily/bench/gpu/e2e/concurrency.py is the GPU run).
+``openai`` client streaming completions from ``lily serve`` (the server in this process, on
+an engine built by the caller; lily/bench/gpu/e2e/concurrency.py is the GPU run). Every
+stream's client runs in a process of its own (lily/bench/serve_clients.py), as a user's
+agents do: clients parsing chunks here would compete with the server for this process's
+GIL and lower what it delivers. The idle and the busy time to first token are both
+measured through those processes.
 
 - ``rounds``: for each concurrency c, c streams of distinct prompts started together;
   total decode tok/s over the window in which all c decode (from the last first token to
@@ -20,37 +24,11 @@ import socket
 import statistics
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from lily.bench.measure import pseudo_text_ids
+from lily.bench.serve_clients import MODEL, Load, Stream
 
-MODEL = "bench"
-
-
-@dataclass
-class Stream:
-    """One streamed completion: when it was sent, when each chunk came, its usage."""
-
-    sent: float = 0.0
-    chunks: list[float] = field(default_factory=list)
-    tokens: int = 0
-    error: str = ""
-
-    @property
-    def ttft(self) -> float | None:
-        return self.chunks[0] - self.sent if self.chunks else None
-
-    def rate_in(self, t0: float, t1: float) -> float:
-        """Tokens per second between t0 and t1 (chunks scaled to tokens)."""
-        n = sum(t0 < t <= t1 for t in self.chunks)
-        scale = self.tokens / len(self.chunks) if self.chunks and self.tokens else 1.0
-        return n * scale / (t1 - t0) if t1 > t0 else 0.0
-
-    def max_gap(self, t0: float, t1: float) -> float:
-        """Longest wait between chunks within [t0, t1] (the edges count as chunks)."""
-        ts = [t0] + [t for t in self.chunks if t0 < t < t1] + [t1]
-        return max(b - a for a, b in zip(ts, ts[1:], strict=False)) if t1 > t0 else 0.0
+__all__ = ["MODEL", "Load", "Server", "Stream", "bars", "busy_ttft", "markdown", "rounds"]
 
 
 class Server:
@@ -87,60 +65,6 @@ class Server:
     def close(self) -> None:
         self._server.should_exit = True
         self._thread.join(60)
-
-
-class Load:
-    """Streams against ``url`` with the official client; ``vocab`` for the prompt ids."""
-
-    def __init__(self, url: str, vocab: int, sampled: bool = False):
-        from openai import OpenAI
-
-        self.client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
-        self.vocab = vocab
-        self.sampled = sampled
-        self._seed = 1000
-
-    def prompt(self, n: int) -> list[int]:
-        self._seed += 1
-        return pseudo_text_ids(n, self.vocab, seed=self._seed)
-
-    def run(self, ids: list[int], max_tokens: int, out: Stream,
-            stop: threading.Event | None = None) -> None:  # fmt: skip
-        """Stream one completion into ``out`` (until done, or ``stop`` is set)."""
-        extra: dict[str, Any] = {"ignore_eos": True}
-        kw: dict[str, Any] = {}
-        if self.sampled:  # what agents send: Qwen3's recommended thinking-mode sampling
-            kw |= {"temperature": 0.6, "top_p": 0.95}
-            extra["top_k"] = 20
-        else:
-            kw["temperature"] = 0.0
-        try:
-            out.sent = time.perf_counter()
-            resp = self.client.completions.create(
-                model=MODEL, prompt=ids, max_tokens=max_tokens, stream=True,
-                stream_options={"include_usage": True}, extra_body=extra, **kw,
-            )  # fmt: skip
-            with resp:
-                for chunk in resp:
-                    now = time.perf_counter()
-                    if chunk.choices and chunk.choices[0].text:
-                        out.chunks.append(now)
-                    if chunk.usage is not None:
-                        out.tokens = chunk.usage.completion_tokens
-                    if stop is not None and stop.is_set():
-                        break
-        except Exception as e:  # noqa: BLE001 - reported in the results
-            out.error = f"{type(e).__name__}: {e}"
-
-    def together(self, prompts: list[list[int]], max_tokens: int,
-                 stop: threading.Event | None = None) -> tuple[list[Stream], list]:  # fmt: skip
-        """Start one stream per prompt at once (threads); the streams and the threads."""
-        streams = [Stream() for _ in prompts]
-        threads = [threading.Thread(target=self.run, args=(p, max_tokens, s, stop), daemon=True)
-                   for p, s in zip(prompts, streams, strict=True)]  # fmt: skip
-        for t in threads:
-            t.start()
-        return streams, threads
 
 
 def round_result(c: int, streams: list[Stream]) -> dict:
@@ -181,34 +105,23 @@ def rounds(load: Load, concurrency: list[int], prompt: int, max_tokens: int) -> 
     """One round per concurrency level (see the module docstring)."""
     out = []
     for c in concurrency:
-        streams, threads = load.together([load.prompt(prompt) for _ in range(c)], max_tokens)
-        for t in threads:
-            t.join()
+        streams = load.together([load.prompt(prompt) for _ in range(c)], max_tokens).wait()
         out.append(round_result(c, streams))
     return out
 
 
 def busy_ttft(load: Load, prompt: int, busy: int, busy_tokens: int, repeats: int) -> dict:
     """A new prompt's time to first token, idle and while ``busy`` streams decode."""
-    idle = []
-    for _ in range(repeats):
-        s = Stream()
-        load.run(load.prompt(prompt), 1, s)
-        idle.append(s.ttft)
-    stop = threading.Event()
-    streams, threads = load.together([load.prompt(prompt) for _ in range(busy)], busy_tokens,
-                                     stop)  # fmt: skip
-    deadline = time.perf_counter() + 600
-    while not all(s.chunks or s.error for s in streams) and time.perf_counter() < deadline:
-        time.sleep(0.01)
+    idle = [load.run(load.prompt(prompt), 1).ttft for _ in range(repeats)]
+    batch = load.together([load.prompt(prompt) for _ in range(busy)], busy_tokens,
+                          stoppable=True)  # fmt: skip
+    batch.started(load.timeout)
     time.sleep(0.2)  # all of them decoding for a moment
-    new = Stream()
-    load.run(load.prompt(prompt), 1, new)
-    t_first = new.chunks[0] if new.chunks else time.perf_counter()
+    new = load.run(load.prompt(prompt), 1)
+    t_first = new.chunks[0] if new.chunks else time.perf_counter()  # (the clients' clock)
     time.sleep(0.2)
-    stop.set()
-    for t in threads:
-        t.join()
+    batch.stop()
+    streams = batch.wait()
     errors = [s.error for s in (*streams, new) if s.error]
     med = statistics.median(x for x in idle if x is not None) if all(idle) else None
     return {

@@ -63,3 +63,72 @@ def test_the_script_runs_on_the_cpu(tmp_path, sampled):
     t = res["ttft"]
     assert t["errors"] == [] and t["busy_ttft_s"] > 0 and t["idle_ttft_median_s"] > 0
     assert "| 2 |" in md.read_text() and "Bars (issue 22)" in md.read_text()
+
+
+def test_every_stream_runs_in_a_client_process_of_its_own():
+    # the clients must not share the server's process (and its GIL): each stream reports
+    # the id of the process that streamed it
+    import os
+
+    import torch
+
+    from lily.bench.random_model import model_config, random_params
+    from lily.bench.serve_load import Load, Server
+    from lily.bench.source import engine_from_params
+    from lily.config import EngineConfig
+
+    cfg = model_config("tiny")
+    engine = engine_from_params(cfg, random_params(cfg, "cpu", dtype=torch.float32),
+                                EngineConfig(device="cpu", max_context=4096, max_running=4),
+                                name="random tiny", text_only=True)  # fmt: skip
+    server = Server(engine, 4)
+    try:
+        with Load(server.url, cfg.vocab_size) as load:
+            first = load.together([load.prompt(12) for _ in range(3)], 4).wait()
+            again = load.together([load.prompt(12) for _ in range(2)], 4).wait()
+            # a stoppable batch ends early once asked; the probe runs in yet another process
+            batch = load.together([load.prompt(12) for _ in range(2)], 3000, stoppable=True)
+            assert batch.started(60)
+            probe = load.run(load.prompt(12), 1)
+            batch.stop()
+            stopped = batch.wait()
+    finally:
+        server.close()
+    for s in (*first, *again, probe, *stopped):
+        assert s.error == "" and s.pid not in (0, os.getpid())
+    assert len({s.pid for s in first}) == 3 and len({s.pid for s in (*stopped, probe)}) == 3
+    assert {s.pid for s in again} <= {s.pid for s in first}  # the pool is reused
+    assert [s.tokens for s in (*first, *again)] == [4] * 5 and probe.tokens == 1
+    assert all(0 < len(s.chunks) < 3000 for s in stopped)
+
+
+def test_a_dead_or_hung_client_process_is_an_error_not_a_hang():
+    import multiprocessing
+    import os
+    import signal
+    import socket
+    import time
+
+    from lily.bench.serve_load import Load
+
+    with socket.socket() as hole:  # accepts connections (the backlog), never answers
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(8)
+        url = f"http://127.0.0.1:{hole.getsockname()[1]}"
+        with Load(url, 100, timeout=1.0) as load:
+            batch = load.together([[1, 2, 3], [4, 5, 6]], 4)
+            procs = [p for p in multiprocessing.active_children() if p.name == "lily-bench-client"]
+            assert len(procs) == 2
+            os.kill(procs[0].pid, signal.SIGKILL)
+            os.kill(procs[1].pid, signal.SIGSTOP)  # hangs: its own client timeout cannot fire
+            t0 = time.perf_counter()
+            streams = batch.wait()
+            assert time.perf_counter() - t0 < 10
+            assert sorted(s.error for s in streams) == [
+                "the client process died (exit code -9)",
+                "the client process gave no result in 1 s: killed",
+            ]
+            # the pool starts a fresh process for the next stream (which the hole hangs too)
+            again = load.run([7, 8], 2)
+            assert again.pid not in (0, procs[0].pid, procs[1].pid)
+            assert again.error == "the client process gave no result in 1 s: killed"

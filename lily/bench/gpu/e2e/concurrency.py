@@ -3,12 +3,12 @@
 Total and per-stream decode tok/s at 1, 2, 4, 8 streams, a 4K prompt's time to first token
 while 7 streams decode against idle, the streams' longest gap meanwhile; JSON and Markdown.
 
-The server runs in this process (uvicorn in a thread) over the full-size random model on
-the kernels, with ``lily serve``'s defaults but ``--max-running`` (and the engine's
-``--decode-prefill-chunk``); the measurements are lily/bench/serve_load.py's. One warm-up
-pass of every round first (kernel compiles, CUDA-graph captures per batch size), then the
-measured pass. ``--tiny`` runs the same on the CPU with the tiny random model (a check of
-the script, not a measurement).
+The server runs in this process (uvicorn in a thread; each stream's client in a process of
+its own) over the full-size random model on the kernels, with ``lily serve``'s defaults but
+``--max-running`` (and the engine's ``--decode-prefill-chunk``); the measurements are
+lily/bench/serve_load.py's. One warm-up pass of every round first (kernel compiles,
+CUDA-graph captures per batch size), then the measured pass. ``--tiny`` runs the same on
+the CPU with the tiny random model (a check of the script, not a measurement).
 
     lily bench --run e2e.concurrency -- --out bench/results/concurrency_h200.json \\
         --md bench/results/concurrency_h200.md
@@ -90,14 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     conc = [int(c) for c in args.concurrency.split(",")]
     server = serve_load.Server(engine, args.max_running)
     try:
-        load = serve_load.Load(server.url, cfg.vocab_size, args.sampled)
-        passes = [False] if args.no_warmup else [True, False]
-        for warm in passes:
-            n = min(args.max_tokens, 16) if warm else args.max_tokens
-            result = {"rounds": serve_load.rounds(load, conc, args.prompt, n)}
-            result["ttft"] = serve_load.busy_ttft(
-                load, args.prompt, args.busy, args.busy_tokens, 1 if warm else args.repeats
-            )
+        # (the clients: a process each, started once and reused by every pass)
+        with serve_load.Load(server.url, cfg.vocab_size, args.sampled) as load:
+            passes = [False] if args.no_warmup else [True, False]
+            for warm in passes:
+                n = min(args.max_tokens, 16) if warm else args.max_tokens
+                result = {"rounds": serve_load.rounds(load, conc, args.prompt, n)}
+                result["ttft"] = serve_load.busy_ttft(
+                    load, args.prompt, args.busy, args.busy_tokens, 1 if warm else args.repeats
+                )
     finally:
         server.close()
     result["bars"] = serve_load.bars(result)
