@@ -204,10 +204,12 @@ def sass_loops(mma: int, chunk: int = 16384, warps: int = 8, stages: int = 12) -
             cur = []
     out = []
     for b in blocks + [cur]:
-        ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in b)
+        ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
+                                  for t in b)  # fmt: skip
         if ops["HMMA"]:
             out.append({"instructions": len(b), "per_uint4": round(4 * len(b) / ops["HMMA"], 1),
-                        "predicated": sum(t.startswith("@") for t in b), "ops": dict(ops)})  # fmt: skip
+                        "predicated": sum(t.startswith("@") for t in b),
+                        "ops": dict(ops)})  # fmt: skip
     return out
 
 
