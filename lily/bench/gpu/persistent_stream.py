@@ -92,12 +92,11 @@ __device__ __forceinline__ u32 pair(u32 w, int m) {
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(bx), "r"(bx))
 
 #if MMA >= 2
-// The tighter loop (docs/notes/persistent_decode.md, "The MMA inner loop's SASS"). Its
-// constants come from shared memory: given an immediate, ptxas rematerializes the mask with
-// an IMAD.MOV before most LOP3s that read it and copies bx into a fresh register pair
-// before most MMAs (MMA=1: ~30 such moves a uint4); a value it cannot see stays in one
-// register. MMA=3 also shifts on the FMA pipe (IMAD.HI by 2^(32-4m)): the unpacking's 28
-// LOP3/SHF a uint4 are the ALU pipe's (16 lanes: 2 cycles a warp instruction) alone at MMA=2.
+// The tighter loops (docs/notes/persistent_decode.md, "The MMA inner loop's SASS"). The
+// constants come from shared memory: given immediates, ptxas rematerializes the mask before
+// most LOP3s and copies bx into a fresh register pair before most MMAs (MMA=1: ~20 IMAD.MOV
+// a uint4). MMA=3 shifts on the FMA pipe (IMAD.HI by 2^(32-4m)) instead of the ALU pipe,
+// which the unpacking's 28 LOP3/SHF a uint4 keep busy alone at MMA=2.
 #if MMA == 3
 #define SHR(w, m) __umulhi(w, kc[m])  // kc[m] = 2^(32 - 4m)
 #else
