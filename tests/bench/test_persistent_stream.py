@@ -1,7 +1,8 @@
 """The persistent-step protocol benchmark (lily/bench/gpu/persistent_stream.py).
 
 CPU: the tables the kernel reads, walked block by block as the kernel walks them, give the
-final value the host's closed form (``expected_final``) predicts. GPU (skips without CUDA:
+final value the host's closed form (``expected_final``) predicts; where NVRTC and Triton's
+cuobjdump are installed, the MMA loops' SASS (compiled for sm_90a, no GPU). GPU (skips without CUDA:
 a persistent kernel whose blocks wait on each other cannot run under an interpreter that
 runs programs one after another): the kernel's values over several steps, every mode.
 """
@@ -12,7 +13,9 @@ import pytest
 import torch
 
 from lily.bench.gpu import persistent_stream as ps
-from lily.ops.step_plan import Phase
+from lily.bench.gpu.diagnostics import persistent_floor as pf
+from lily.ops import cuda_rtc
+from lily.ops.step_plan import Phase, split_chunks
 
 M32 = 1 << 32
 
@@ -27,6 +30,12 @@ def phases() -> list[Phase]:
         Phase("down", 0, "experts", 32, 3, routed_bytes=3 * 160, slots=3, fetch_after=2),
         Phase("head", -1, "head", 2000 * 16, 4),
     ]
+
+
+def big_phases() -> list[Phase]:
+    # phases() with a first phase of 3 full 4 KB chunks and a ragged one a block (8 blocks):
+    # the tighter loops' path without a bounds test, and the one with rows and a tail.
+    return [Phase("in", 0, "a", 8 * (3 * 4096 + 1040), -1), *phases()[1:]]
 
 
 def walk_tables(st: ps.Stream, epoch: int) -> int:
@@ -65,6 +74,47 @@ def test_tables_walked_as_the_kernel_walks_them_give_the_host_value(blocks, chun
     assert ps.expected_final(other, 1) != ps.expected_final(st, 1)
 
 
+def test_the_big_layout_has_full_and_ragged_chunks():
+    # what the GPU test of the tighter loops relies on: both of their paths run
+    sizes = [c.nbytes for cl in split_chunks(big_phases(), 8, 4096) for c in cl]
+    assert sizes.count(4096) >= 8 * 3
+    assert any(n % 512 and n > 512 for n in sizes)  # full rows of 32 lanes, then a tail
+    assert any(n < 512 for n in sizes)  # a tail only
+
+
+def test_a_wrong_mma_loop_is_refused_with_its_name():
+    with pytest.raises(ValueError, match="mma must be one of"):
+        ps.options(4096, stages=4, mma=4)
+    assert "-DMMA=1" in ps.options(4096, stages=4, mma=True)
+
+
+def _tools() -> bool:
+    try:
+        cuda_rtc.nvrtc()
+        pf._cuobjdump()
+    except (cuda_rtc.CudaRtcError, FileNotFoundError, ImportError):
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _tools(), reason="needs NVRTC and Triton's cuobjdump")
+def test_the_tighter_mma_loops_issue_fewer_instructions_a_uint4():
+    # 16 KB chunks, 8 warps: a full chunk is 4 uint4 a lane, one block of 16 HMMAs
+    first = max(pf.sass_loops(1), key=lambda b: b["ops"]["HMMA"])
+    assert first["ops"]["HMMA"] == 16 and first["per_uint4"] > 55
+    for mma in (2, 3):
+        loops = pf.sass_loops(mma)
+        full = [b for b in loops if b["ops"]["HMMA"] == 16 and "BRA" not in b["ops"]]
+        assert len(full) == 1, loops  # the full chunk: straight-line code
+        full = full[0]
+        assert full["per_uint4"] < 40 and full["predicated"] <= 1
+        assert "ISETP" not in full["ops"] and "CS2R" not in full["ops"]  # no bounds test
+        assert full["ops"]["LOP3"] == 17 * 4 and full["ops"]["LDS"] == 4
+        assert full["ops"].get("IMAD", 0) == (12 * 4 if mma == 3 else 0)  # no moves, or shifts
+        assert ("SHF" in full["ops"]) == (mma == 2)  # MMA=3 shifts on the FMA pipe
+        assert all(b["per_uint4"] < 50 for b in loops)  # the ragged chunks' paths too
+
+
 def test_chunks_do_not_span_an_expert():
     st = ps.build(phases(), 4, 64, n_experts=7, device="cpu")
     for lo, _, n, slot in st.tables["chunks"].tolist():
@@ -77,11 +127,15 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 @cuda
 @pytest.mark.parametrize("mode", [1, 2])
-@pytest.mark.parametrize("mma", [False, True])
-def test_kernel_matches_the_host_every_step(mode, mma):
+@pytest.mark.parametrize("mma", [0, 1, 2, 3])
+@pytest.mark.parametrize("layout", ["small chunks", "full chunks"])
+def test_kernel_matches_the_host_every_step(mode, mma, layout):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     blocks = min(8, sms)
-    st = ps.build(phases(), blocks, 64, n_experts=7)
+    if layout == "small chunks":
+        st = ps.build(phases(), blocks, 64, n_experts=7)
+    else:  # 4 KB chunks of 8 warps: the tighter loops' full-chunk path, rows and tails
+        st = ps.build(big_phases(), blocks, 4096, n_experts=7)
     r = ps.runner(st, mode, stages=3, warps=8, mma=mma)
     for _ in range(4):
         r.launch()
@@ -91,10 +145,11 @@ def test_kernel_matches_the_host_every_step(mode, mma):
 
 
 @cuda
-def test_kernel_on_the_full_sm_count_with_a_deep_ring():
+@pytest.mark.parametrize("mma", [0, 2])
+def test_kernel_on_the_full_sm_count_with_a_deep_ring(mma):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     st = ps.build(phases(), sms, 16384, n_experts=7)
-    r = ps.runner(st, 1, stages=12, warps=4)
+    r = ps.runner(st, 1, stages=12, warps=4, mma=mma)
     for _ in range(3):
         r.launch()
     torch.cuda.synchronize()

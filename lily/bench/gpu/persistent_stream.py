@@ -10,7 +10,8 @@ boundaries (mode 1) or only once the phase's input is complete (mode 2); routed 
 the "routing" is read from its output. Consumer warps wait for a phase's input counter,
 read the 4 KB input activation, consume the phase's chunks (a checksum; with ``mma``
 also the dequantizing tensor-core arithmetic of the 4-bit GEMVs, one mma.sync per 32
-codes), write the block's result and count themselves in. Mode 0 streams with no waits.
+codes, in one of the loops of MMA_LOOPS), write the block's result and count themselves in.
+Mode 0 streams with no waits.
 
 Checked exactly: block b's result in phase p is the sum of its bytes (as uint32) plus the
 sum of the input activation, so a phase's activation sum is
@@ -31,6 +32,12 @@ from lily.ops.step_plan import Phase, split_chunks
 
 ACT = 1024  # uint32 words of a phase's activation (4 KB, as the model's bf16 x)
 RESULTS = 64  # final values kept, by epoch
+MMA_LOOPS = {  # the consumer's arithmetic, by the kernel's MMA option
+    0: "checksum only",
+    1: "the first loop: 4 MMAs a uint4 into one accumulator, scaled at once, bounds tested",
+    2: "tighter: constants in registers, full chunks without a bounds test, scale a group late",
+    3: "as 2, the unpacking's shifts on the FMA pipe (IMAD.HI) instead of the ALU",
+}
 
 SOURCE = r"""
 typedef unsigned int u32;
@@ -84,6 +91,38 @@ __device__ __forceinline__ u32 pair(u32 w, int m) {
   asm(MMA_OP "{%8,%9}, {%0,%1,%2,%3};" : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3) \
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(bx), "r"(bx))
 
+#if MMA >= 2
+// The tighter loops (docs/notes/persistent_decode.md, "The MMA inner loop's SASS"). The
+// constants come from shared memory: given immediates, ptxas rematerializes the mask before
+// most LOP3s and copies bx into a fresh register pair before most MMAs (MMA=1: ~20 IMAD.MOV
+// a uint4). MMA=3 shifts on the FMA pipe (IMAD.HI by 2^(32-4m)) instead of the ALU pipe,
+// which the unpacking's 28 LOP3/SHF a uint4 keep busy alone at MMA=2.
+#if MMA == 3
+#define SHR(w, m) __umulhi(w, kc[m])  // kc[m] = 2^(32 - 4m)
+#else
+#define SHR(w, m) ((w) >> (4 * (m)))
+#endif
+#define PAIR2(w, m) ((m) ? (SHR(w, m) & kmask) | 0x43004300u : ((w) & kmask) | 0x43004300u)
+#define MMA_ACC2(a0, a1, a2, a3) \
+  asm(MMA_OP "{%8,%9}, {%0,%1,%2,%3};" : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3) \
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1))
+// One group (a lane's uint4: 64 codes of two rows): the checksum, 4 MMAs into one
+// accumulator (C = 0 costs nothing: the first MMA reads RZ), and the scale of the group
+// before it (one group late, and across chunks: no warp waits on an MMA chain at a chunk's
+// end before it releases the slot). The GEMV's useful column is 0: a lane folds d0 (row g)
+// and d2 (row g + 8), as the GEMV's epilogue would.
+#define GROUP2(w) do { \
+    sum += w.x + w.y + w.z + w.w; \
+    float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f; \
+    MMA_ACC2(PAIR2(w.x, 0), PAIR2(w.y, 0), PAIR2(w.x, 1), PAIR2(w.y, 1)); \
+    MMA_ACC2(PAIR2(w.x, 2), PAIR2(w.y, 2), PAIR2(w.x, 3), PAIR2(w.y, 3)); \
+    MMA_ACC2(PAIR2(w.z, 0), PAIR2(w.w, 0), PAIR2(w.z, 1), PAIR2(w.w, 1)); \
+    MMA_ACC2(PAIR2(w.z, 2), PAIR2(w.w, 2), PAIR2(w.z, 3), PAIR2(w.w, 3)); \
+    f0 = fmaf(q0, qs, f0); f1 = fmaf(q2, qs, f1); \
+    q0 = d0; q2 = d2; qs = __uint_as_float((w.w & kmask) | 0x3C000000u); \
+  } while (0)
+#endif
+
 // A block's sum of one u32 per consumer thread (every consumer thread gets it).
 __device__ __forceinline__ u32 consumers_sum(u32 v, u32* red) {
   for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -116,6 +155,9 @@ persistent_stream(const unsigned char* arena, const int4* chunks, const int* fir
   __shared__ __align__(8) u64 bars[2 * NSTAGE];
   __shared__ u32 red[NCW];
   __shared__ u32 last_flag;
+#if MMA >= 2
+  __shared__ u32 kconst[6];  // the loop's constants, opaque to the compiler (see PAIR2)
+#endif
   const int P = (int)n_phases, b = blockIdx.x, nb = gridDim.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const u32 e = *(volatile u32*)epoch + 1u, target = e * (u32)nb;
@@ -126,6 +168,10 @@ persistent_stream(const unsigned char* arena, const int4* chunks, const int* fir
       mbar_init(smem_u32(&bars[NSTAGE + s]), NCW);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#if MMA >= 2
+    kconst[0] = 0x000F000Fu; kconst[1] = 0u;
+    kconst[2] = 1u << 28; kconst[3] = 1u << 24; kconst[4] = 1u << 20;
+#endif
   }
   __syncthreads();
 
@@ -165,6 +211,14 @@ persistent_stream(const unsigned char* arena, const int4* chunks, const int* fir
   const int t = threadIdx.x;
   int k = 0;
   float f0 = 0.f, f1 = 0.f;
+#if MMA >= 2
+  const u32 kmask = *(volatile u32*)&kconst[0], kzero = *(volatile u32*)&kconst[1];
+#if MMA == 3
+  const u32 kc[4] = {1u, *(volatile u32*)&kconst[2], *(volatile u32*)&kconst[3],
+                     *(volatile u32*)&kconst[4]};
+#endif
+  float q0 = 0.f, q2 = 0.f, qs = 0.f;  // the group whose scale is pending
+#endif
   for (int p = 0; p < P; ++p) {
     u64 t0 = 0, t1 = 0;
     if (TRACE && t == 0) t0 = now();
@@ -185,11 +239,33 @@ persistent_stream(const unsigned char* arena, const int4* chunks, const int* fir
     }
     u32 sum = 0;
     const u32 bx = 0x3F803F80u ^ (a_in & 0x00070007u);
+#if MMA >= 2
+    const u32 b0 = bx, b1 = bx ^ kzero;  // two registers: the MMA's B pair, allocated once
+#endif
     for (int i = my_first[p]; i < my_first[p + 1]; ++i, ++k) {
       const int s = k % NSTAGE;
       const int bytes = chunks[i].z;
       mbar_wait(smem_u32(&bars[s]), (k / NSTAGE) & 1);
       const uint4* src = (const uint4*)(smem + (long long)s * CHUNK);
+#if MMA >= 2
+      // A full chunk: a trip count known to the compiler, no bounds test. Otherwise the
+      // warp's full rows of 32 uint4 with none, then at most one row with the test (a lane
+      // past the chunk reads zeros: mma.sync.aligned needs every lane).
+      constexpr int ROW = NCW * 32, FULL_IT = CHUNK / 16 / ROW;
+      if (CHUNK % (16 * ROW) == 0 && bytes == CHUNK) {
+#pragma unroll
+        for (int it = 0; it < FULL_IT; ++it) { const uint4 w = src[t + it * ROW]; GROUP2(w); }
+      } else {
+        const int n16 = bytes / 16;
+        int j0 = t - lane;
+#pragma unroll 2
+        for (; j0 + 32 <= n16; j0 += ROW) { const uint4 w = src[j0 + lane]; GROUP2(w); }
+        if (j0 < n16) {
+          const uint4 w = j0 + lane < n16 ? src[j0 + lane] : make_uint4(0u, 0u, 0u, 0u);
+          GROUP2(w);
+        }
+      }
+#else
       // The loop runs warp by warp (a lane past the chunk reads zeros): mma.sync.aligned
       // needs every lane of the warp at the same instruction, and a chunk of fewer than
       // 16 * 32 bytes a warp left lanes out (its GPU test with 64-byte chunks hung on the H200).
@@ -211,6 +287,7 @@ persistent_stream(const unsigned char* arena, const int4* chunks, const int* fir
         f1 = fmaf(d2 + d3, sc, f1);
 #endif
       }
+#endif
       __syncwarp();
       if (lane == 0) mbar_arrive(smem_u32(&bars[NSTAGE + s]));
     }
@@ -237,6 +314,9 @@ persistent_stream(const unsigned char* arena, const int4* chunks, const int* fir
     const u32 fin = warp_act_sum(act + (long long)(P - 1) * ACT);
     if (lane == 0) { results[e % RESULTS] = fin; __threadfence(); *(volatile u32*)epoch = e; }
   }
+#if MMA >= 2
+  f0 = fmaf(q0, qs, f0); f1 = fmaf(q2, qs, f1);  // the last group's scale
+#endif
   if (__float_as_uint(f0) == 0x7fc00001u) sink[t] = f1;  // keeps the arithmetic
 }
 """
@@ -360,16 +440,25 @@ class Runner:
         return [r[e % RESULTS] % (1 << 32) for e in range(1, min(n, RESULTS - 1) + 1)]
 
 
-def runner(st: Stream, mode: int, *, stages: int, warps: int = 8, mma: bool = False,
+def options(chunk: int, *, stages: int, warps: int = 8, mma: int = 0,
+            trace: bool = False) -> tuple[str, ...]:  # fmt: skip
+    """The kernel's compile-time options (NVRTC ``-D`` flags)."""
+    if int(mma) not in MMA_LOOPS:
+        raise ValueError(f"persistent_stream: mma must be one of {sorted(MMA_LOOPS)}, got {mma}")
+    return tuple(f"-D{k}={v}" for k, v in (("NSTAGE", stages), ("CHUNK", chunk), ("NCW", warps),
+                                           ("MMA", int(mma)), ("TRACE", int(trace)),
+                                           ("ACT", ACT), ("RESULTS", RESULTS)))  # fmt: skip
+
+
+def runner(st: Stream, mode: int, *, stages: int, warps: int = 8, mma: int = 0,
            trace: bool = False) -> Runner:  # fmt: skip
     """A compiled variant: ``mode`` 0 (no waits), 1 (counters, prefetch across phases) or 2
-    (counters, a phase's copies only after its input is complete)."""
+    (counters, a phase's copies only after its input is complete); ``mma`` the consumer's
+    arithmetic (MMA_LOOPS; True is 1)."""
     if mode not in (0, 1, 2):
         raise ValueError(f"persistent_stream: mode must be 0, 1 or 2, got {mode}")
     smem = stages * st.chunk
-    opts = tuple(f"-D{k}={v}" for k, v in (("NSTAGE", stages), ("CHUNK", st.chunk), ("NCW", warps),
-                                           ("MMA", int(mma)), ("TRACE", int(trace)),
-                                           ("ACT", ACT), ("RESULTS", RESULTS)))  # fmt: skip
+    opts = options(st.chunk, stages=stages, warps=warps, mma=mma, trace=trace)
     kernel = cuda_rtc.load(SOURCE, "persistent_stream", smem=smem, options=opts)
     dev = st.arena.device
     n = len(st.phases)

@@ -7,7 +7,8 @@ with a dependency counter in global memory between phases
 (lily/bench/gpu/persistent_stream.py). Variants, per context: counters with the copies
 running ahead across phases (the design), counters with a phase's copies issued only once
 its input is complete, no waits at all (the loader's own rate), each with a checksum or
-with the GEMVs' dequantizing tensor-core arithmetic; the phases' dependencies alone (no
+with the GEMVs' dequantizing tensor-core arithmetic (the first loop and the tighter ones:
+``--sass`` counts their instructions, on any machine with NVRTC); the phases' dependencies alone (no
 bytes: the cost of one link); the same bytes in one plain copy. Checked exactly against
 the host (every byte read once, every wait held); a traced run gives the timeline by
 phase kind (waiting and working) and the design's prediction is set beside it.
@@ -16,7 +17,12 @@ phase kind (waiting and working) and the design's prediction is set beside it.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
+import os
+import re
+import subprocess
+import tempfile
 
 import torch
 
@@ -27,12 +33,16 @@ from lily.config import ModelConfig
 from lily.ops import cuda_rtc
 from lily.ops.step_plan import Hardware, Phase, decode_phases, predict_step
 
-VARIANTS = (  # (label, mode, mma)
-    ("counters, prefetch", 1, False),
-    ("counters, prefetch, mma", 1, True),
-    ("counters, copies after the wait", 2, False),
-    ("no waits", 0, False),
-    ("no waits, mma", 0, True),
+VARIANTS = (  # (label, mode, mma loop: persistent_stream.MMA_LOOPS)
+    ("counters, prefetch", 1, 0),
+    ("counters, prefetch, mma", 1, 1),
+    ("counters, copies after the wait", 2, 0),
+    ("no waits", 0, 0),
+    ("no waits, mma", 0, 1),
+    ("counters, prefetch, mma2", 1, 2),
+    ("no waits, mma2", 0, 2),
+    ("counters, prefetch, mma3", 1, 3),
+    ("no waits, mma3", 0, 3),
 )
 
 
@@ -161,6 +171,56 @@ def context_rows(cfg: ModelConfig, ctx: int, args, sms: int) -> list[dict]:
     return rows
 
 
+def _cuobjdump() -> str:
+    import triton  # its NVIDIA backend ships cuobjdump
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"persistent_floor --sass: no cuobjdump at {path}")
+    return path
+
+
+def sass_loops(mma: int, chunk: int = 16384, warps: int = 8, stages: int = 12) -> list[dict]:
+    """The consumer's MMA loop in SASS for sm_90a (compiled here, no GPU): each basic block
+    holding an HMMA, with its instruction count, opcodes (suffixes dropped), predicated
+    instructions and the instructions per 16-byte uint4 a lane (4 HMMAs each)."""
+    opts = ps.options(chunk, stages=stages, warps=warps, mma=mma)
+    cubin = cuda_rtc.compile_cubin(ps.SOURCE, "sm_90a", opts)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([_cuobjdump(), "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
+    ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", text)]
+    targets = {int(a, 16) for a in re.findall(r"BRA(?:\.\S+)?\s+(?:\S+,\s*)?0x([0-9a-f]+)", text)}
+    blocks, cur = [], []
+    for a, t in ins:  # basic blocks: cut at branch targets and after branches
+        if a in targets and cur:
+            blocks.append(cur)
+            cur = []
+        cur.append(t.strip())
+        if re.search(r"\b(BRA|EXIT|RET)\b", t):
+            blocks.append(cur)
+            cur = []
+    out = []
+    for b in blocks + [cur]:
+        ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
+                                  for t in b)  # fmt: skip
+        if ops["HMMA"]:
+            out.append({"instructions": len(b), "per_uint4": round(4 * len(b) / ops["HMMA"], 1),
+                        "predicated": sum(t.startswith("@") for t in b),
+                        "ops": dict(ops)})  # fmt: skip
+    return out
+
+
+def print_sass(args) -> None:
+    """``--sass``: every MMA loop's blocks (the first, then the tighter ones)."""
+    for mma in sorted(ps.MMA_LOOPS)[1:]:
+        print(f"MMA={mma} ({ps.MMA_LOOPS[mma]}):")
+        for b in sass_loops(mma, args.chunk, args.warps, args.stages):
+            print("  ", b)
+
+
 def main() -> None:
     from lily.bench.gpu.full_model import write_json
 
@@ -172,9 +232,12 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=20, help="graph replays a timing")
     ap.add_argument("--quick", action="store_true", help="the design's variants and no waits only")
     ap.add_argument("--out", help="JSON results path")
+    ap.add_argument("--sass", action="store_true", help="print the MMA loops' SASS counts only")
     args = ap.parse_args()
     if args.stages * args.chunk > 220 * 1024 or args.chunk % 16 or args.warps < 1:
         ap.error("--stages x --chunk must fit 220 KB, --chunk a multiple of 16, --warps >= 1")
+    if args.sass:
+        return print_sass(args)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     cfg = full_config()
     rows = []
