@@ -128,6 +128,23 @@ def moe_rows_config(b: int) -> MoeDecodeConfig | None:
     return MOE_ROWS_CONFIGS[max(keys)] if keys else None
 
 
+# The DeltaNet step's tile in a batched decode step of B rows (deltanet_decode_rows, grid
+# (Vd / block_v, Hv, B)): (block_v, num_warps), the entry of the largest key <= B (keys 2
+# to MAX_ROWS; none: DELTANET_ROWS_DEFAULT, the one-row launcher's defaults). Empty until
+# measured: `lily bench --run kernels.deltanet_rows -- --variants` on the H200 prints each
+# B's fastest tile as an entry of this table (docs/notes/batching.md). As for the MoE's
+# table, the compile matrix and the warm-up run every batch size through this dispatch.
+DELTANET_ROWS_CONFIGS: dict[int, tuple[int, int]] = {}
+DELTANET_ROWS_DEFAULT = (16, 4)  # deltanet_decode_rows' own block_v and num_warps
+
+
+def deltanet_rows_config(b: int) -> tuple[int, int]:
+    """(block_v, num_warps) of deltanet_decode_rows for a batched decode step of ``b`` rows
+    (DELTANET_ROWS_CONFIGS; DELTANET_ROWS_DEFAULT without an entry at or below ``b``)."""
+    keys = [n for n in DELTANET_ROWS_CONFIGS if n <= b]
+    return DELTANET_ROWS_CONFIGS[max(keys)] if keys else DELTANET_ROWS_DEFAULT
+
+
 @dataclass(frozen=True, slots=True)
 class Kernels:
     """How the kernels run (see the module docstring) and what they share: the DeltaNet
@@ -271,12 +288,15 @@ def deltanet_rows(parts: Sequence[Tensor], w: DeltaNetWeights, conv_states: Sequ
     """The DeltaNet mixer for one token of each of B sequences: row r of ``parts`` with
     ``conv_states[r]`` and ``states[r]`` (each updated in place); (B, Hv*Vd). The maths of
     ``deltanet`` for one token, per row. Kernels with ``table`` (``state_table`` of those
-    states, a device tensor a graph may keep): every row in one launch."""
+    states, a device tensor a graph may keep): every row in one launch, on the tile of
+    DELTANET_ROWS_CONFIGS at B."""
     if k is not None and table is not None and len(states) <= MAX_ROWS:
         qkv, z, b, a = parts
+        block_v, warps = deltanet_rows_config(len(states))
         return deltanet_decode_rows(qkv, z, b, a, w.conv1d, table, conv_states[0], states[0],
                                     w.A_log, w.dt_bias, w.norm, eps,
-                                    workspace=k.rows_workspace, pdl=k.pdl)  # fmt: skip
+                                    workspace=k.rows_workspace, block_v=block_v,
+                                    num_warps=warps, pdl=k.pdl)  # fmt: skip
     rows = [tuple(p[r : r + 1] for p in parts) for r in range(len(states))]
     return torch.cat([deltanet(p, w, c, s, eps, k)
                       for p, c, s in zip(rows, conv_states, states, strict=True)])  # fmt: skip
