@@ -114,3 +114,57 @@ def test_the_check_finds_a_cycle_and_a_private_import(tmp_path):
     found_cycles, private = check(mods)
     assert found_cycles == [["lily.a", "lily.b"]]
     assert private == ["lily.b:4 uses lily.a._hidden", "lily.c:1 imports lily.a._secret"]
+
+
+def defined(path: Path) -> set[str]:
+    """The names a module binds at its top level (in if/try blocks too): what
+    ``from module import name`` can take from it."""
+    names: set[str] = set()
+    todo = list(ast.parse(path.read_text(), str(path)).body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            todo += node.body + getattr(node, "orelse", []) + getattr(node, "finalbody", [])
+            todo += [s for h in getattr(node, "handlers", []) for s in h.body]
+    return names
+
+
+def missing_names(mods: dict[str, Path]) -> list[str]:
+    """Every ``from lily.m import n`` whose n module m does not define (nor is a submodule):
+    an ImportError waiting for the first run of a file no CPU test imports (a GPU
+    benchmark), found without importing it."""
+    out, cache = [], {}
+    for name, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0
+                    and node.module in mods):  # fmt: skip
+                continue
+            if node.module not in cache:
+                cache[node.module] = defined(mods[node.module])
+            for a in node.names:
+                if (a.name != "*" and a.name not in cache[node.module]
+                        and f"{node.module}.{a.name}" not in mods):  # fmt: skip
+                    out.append(f"{name}:{node.lineno} imports {a.name} from {node.module}")
+    return out
+
+
+def test_every_imported_name_exists():
+    missing = missing_names(modules())
+    assert missing == [], "names imported from modules that lack them:\n" + "\n".join(missing)
+
+
+def test_the_check_finds_a_missing_name(tmp_path):
+    pkg = tmp_path / "lily"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("X = 1\nif X:\n    from math import pi as Y\n\ndef f(): pass\n")
+    (pkg / "b.py").write_text("from lily.a import X, Y, f\nfrom lily.a import Z\n")
+    mods = {"lily": pkg / "__init__.py", "lily.a": pkg / "a.py", "lily.b": pkg / "b.py"}
+    assert missing_names(mods) == ["lily.b:2 imports Z from lily.a"]
