@@ -334,3 +334,20 @@ def compile_problems(fn) -> list[str]:
             _problems[launch] = [] if res.error else problems(res)
         out += [f"{launch.name}: {p}" for p in _problems[launch]]
     return out
+
+
+def against_table(ok: list[dict], key: str, table: dict | None) -> tuple[dict, dict]:
+    """A sweep's fastest line of ``ok`` (by ``key``, its time) and how it compares with the
+    table's line ``table`` (none: {}): the fields ``than_table`` prints."""
+    top = min(ok, key=lambda r: r[key])
+    if table is None:
+        return top, {}
+    return top, {"table": table["config"], "table_us": table[key],
+                 "speedup": table[key] / top[key]}  # fmt: skip
+
+
+def than_table(r: dict, digits: int = 1, name: str = "the table's") -> str:
+    """`` against the table's T (Sx)`` for a best line with ``against_table``'s fields."""
+    if "table_us" not in r:
+        return ""
+    return f" against {name} {r['table_us']:.{digits}f} ({r['speedup']:.2f}x)"

@@ -46,10 +46,12 @@ import torch
 from lily.bench.gpu.kernels.common import (
     DEV,
     L2_BYTES,
+    against_table,
     ceilings,
     compile_problems,
     rel,
     sweep_args,
+    than_table,
     write_json,
 )
 from lily.bench.gpu.kernels.mixer_deltanet import DN_LAYERS, HK, HV, VD, C, K, W, dn_inputs
@@ -118,22 +120,16 @@ def best_of(b: int, lines: list[dict]) -> dict | None:
           and r["rel_err"] < ERR_BOUND and "tile" in r]  # fmt: skip
     if not ok:
         return None
-    top = min(ok, key=lambda r: r["us"])
-    out = {"B": b, "config": top["config"], "us": top["us"], "GBps": top["GBps"],
-           "entry": table_entry(b, tuple(top["tile"]))}  # fmt: skip
     table = next((r for r in ok if r["config"].startswith("table")), None)
-    if table:
-        out |= {"table_us": table["us"], "speedup": table["us"] / top["us"]}
-    return out
+    top, vs = against_table(ok, "us", table)
+    return {"B": b, "config": top["config"], "us": top["us"], "GBps": top["GBps"],
+            "entry": table_entry(b, tuple(top["tile"])), **vs}  # fmt: skip
 
 
 def best_line(r: dict) -> str:
     """One B's fastest tile against the table's, and its DELTANET_ROWS_CONFIGS entry."""
-    than = ""
-    if "table_us" in r:
-        than = f" against the table's {r['table_us']:.1f} ({r['speedup']:.2f}x)"
     return (f"best B={r['B']}: {r['config']}, {r['us']:.1f} us a layer ({r['GBps']:.0f} GB/s)"
-            f"{than}; {r['entry']}")  # fmt: skip
+            f"{than_table(r)}; {r['entry']}")  # fmt: skip
 
 
 @dataclasses.dataclass

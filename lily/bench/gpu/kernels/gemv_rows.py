@@ -49,6 +49,7 @@ from lily.bench.gpu.kernels.common import (
     BF16,
     DEV,
     EPS,
+    against_table,
     ceilings,
     cfg_str,
     compile_problems,
@@ -56,6 +57,7 @@ from lily.bench.gpu.kernels.common import (
     rel,
     sweep_args,
     table,
+    than_table,
     weight_copies,
     write_json,
 )
@@ -162,22 +164,17 @@ def fastest(lines: list[dict], n: int, k: int, group: int, b: int,
           and "tile" in r]  # fmt: skip
     if not ok:
         return None
-    top = min(ok, key=lambda r: r["us"])
     table_line = next((r for r in ok if r["config"].startswith("table")), None)
+    top, vs = against_table(ok, "us", table_line)
     bn, warps = top["tile"]
-    out = {"shape": top["shape"], "B": b, "config": top["config"], "us": top["us"],
-           "entry": f"({n}, {k}, {group}): {{{b}: MmaGemvConfig({bn}, {warps})}}"}  # fmt: skip
-    if table_line:
-        out |= {"table": table_line["config"], "table_us": table_line["us"],
-                "speedup": table_line["us"] / top["us"]}  # fmt: skip
-    return out
+    return {"shape": top["shape"], "B": b, "config": top["config"], "us": top["us"],
+            "entry": f"({n}, {k}, {group}): {{{b}: MmaGemvConfig({bn}, {warps})}}",
+            **vs}  # fmt: skip
 
 
 def best_line(r: dict) -> str:
     """One shape's and B's fastest tile against the table's, and its MEASURED_TILES entry."""
-    than = ""
-    if "table_us" in r:
-        than = f" against {r['table']} {r['table_us']:.2f} ({r['speedup']:.2f}x)"
+    than = than_table(r, 2, r.get("table", ""))
     return f"fastest {r['shape']} B={r['B']}: {r['config']} {r['us']:.2f} us{than}; {r['entry']}"
 
 

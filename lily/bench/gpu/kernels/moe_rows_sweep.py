@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from lily.bench.gpu.kernels.common import against_table, than_table
 from lily.ops.moe_decode import MoeDecodeConfig
 
 # The sweep (--variants): tensor-core tiles, and the first launch's fields one at a time.
@@ -108,18 +109,13 @@ def best_of(b: int, lines: list[dict]) -> dict | None:
     ok = [r for r in lines if usable(r)]
     if not ok:
         return None
-    top = min(ok, key=lambda r: r["time_us"])
     table = next((r for r in lines if r["config"] == "table, pdl" and "time_us" in r), None)
-    out = {"B": b, "config": top["config"], "time_us": top["time_us"], "tile": top["tile"],
-           "entry": table_entry(b, MoeDecodeConfig(**top["tile"]))}  # fmt: skip
-    if table:
-        out |= {"table_us": table["time_us"], "speedup": table["time_us"] / top["time_us"]}
-    return out
+    top, vs = against_table(ok, "time_us", table)
+    return {"B": b, "config": top["config"], "time_us": top["time_us"], "tile": top["tile"],
+            "entry": table_entry(b, MoeDecodeConfig(**top["tile"])), **vs}  # fmt: skip
 
 
 def best_line(r: dict) -> str:
     """One B's fastest tile against the table's, and its MOE_ROWS_CONFIGS entry."""
-    than = ""
-    if "table_us" in r:
-        than = f" against the table's {r['table_us']:.1f} ({r['speedup']:.2f}x)"
-    return f"best B={r['B']}: {r['config']}, {r['time_us']:.1f} us a layer{than}; {r['entry']}"
+    return (f"best B={r['B']}: {r['config']}, {r['time_us']:.1f} us a layer{than_table(r)}; "
+            f"{r['entry']}")  # fmt: skip
