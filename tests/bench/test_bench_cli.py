@@ -135,3 +135,15 @@ def test_checkpoint_directory_with_our_engine_as_a_worker_peer(tmp_path, mlx4_di
         ("lily", "ok"), ("lily (worker)", "ok")]  # fmt: skip
     assert res["engines"][1]["info"]["pid"] != os.getpid()  # timed in its own process
     assert set(res["summary"]["ratios"]) == {"lily/lily (worker)"}
+
+
+def test_a_gpu_script_that_exits_with_a_message_shows_it(capsys, monkeypatch):
+    """``sys.exit("why")`` in a GPU script reaches the user with status 1 (gemv_rows exits
+    so where it sees no GPU), not as a silent failure."""
+    import torch
+
+    from lily.bench import gpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu.run("kernels.gemv_rows", []) == 1
+    assert "gemv_rows.py needs a CUDA GPU" in capsys.readouterr().err

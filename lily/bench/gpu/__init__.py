@@ -68,8 +68,11 @@ def run(name: str, argv: list[str]) -> int:
     sys.argv = [module, *argv]
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
-    except SystemExit as e:  # a script's own exit status
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except SystemExit as e:  # a script's own exit status; sys.exit("why") says why
+        if isinstance(e.code, int) or e.code is None:
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
     finally:
         sys.argv = saved
     return 0

@@ -298,9 +298,7 @@ def main() -> None:
     except ValueError as e:
         ap.error(str(e))
     if not torch.cuda.is_available():
-        # (printed here: ``lily bench --run`` turns a script's exit into its status alone)
-        print("kernels.deltanet_rows needs a CUDA GPU", file=sys.stderr)
-        sys.exit(1)
+        sys.exit("kernels.deltanet_rows needs a CUDA GPU")
     t0 = time.perf_counter()
     gen = torch.Generator(device=DEV).manual_seed(0)
     ceil = ceilings(read=False)
