@@ -101,16 +101,26 @@ def test_no_import_cycle_and_no_private_import():
     assert private == [], "private names used across modules:\n" + "\n".join(private)
 
 
-def test_the_check_finds_a_cycle_and_a_private_import(tmp_path):
-    """The checker itself, on a small package that has both faults."""
+def tiny_package(tmp_path: Path, sources: dict[str, str]) -> dict[str, Path]:
+    """A package ``lily`` of the given modules (name -> source) under ``tmp_path``, as
+    ``modules()`` lists one."""
     pkg = tmp_path / "lily"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "a.py").write_text("def f():\n    from lily.b import g\n")
-    (pkg / "b.py").write_text("import lily.a as a\n\ndef g():\n    return a._hidden\n")
-    (pkg / "c.py").write_text("from lily.a import _secret\n")
-    mods = {"lily": pkg / "__init__.py", "lily.a": pkg / "a.py", "lily.b": pkg / "b.py",
-            "lily.c": pkg / "c.py"}  # fmt: skip
+    mods = {"lily": pkg / "__init__.py"}
+    for name, src in sources.items():
+        (pkg / f"{name}.py").write_text(src)
+        mods[f"lily.{name}"] = pkg / f"{name}.py"
+    return mods
+
+
+def test_the_check_finds_a_cycle_and_a_private_import(tmp_path):
+    """The checker itself, on a small package that has both faults."""
+    mods = tiny_package(tmp_path, {
+        "a": "def f():\n    from lily.b import g\n",
+        "b": "import lily.a as a\n\ndef g():\n    return a._hidden\n",
+        "c": "from lily.a import _secret\n",
+    })  # fmt: skip
     found_cycles, private = check(mods)
     assert found_cycles == [["lily.a", "lily.b"]]
     assert private == ["lily.b:4 uses lily.a._hidden", "lily.c:1 imports lily.a._secret"]
@@ -161,10 +171,8 @@ def test_every_imported_name_exists():
 
 
 def test_the_check_finds_a_missing_name(tmp_path):
-    pkg = tmp_path / "lily"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "a.py").write_text("X = 1\nif X:\n    from math import pi as Y\n\ndef f(): pass\n")
-    (pkg / "b.py").write_text("from lily.a import X, Y, f\nfrom lily.a import Z\n")
-    mods = {"lily": pkg / "__init__.py", "lily.a": pkg / "a.py", "lily.b": pkg / "b.py"}
+    mods = tiny_package(tmp_path, {
+        "a": "X = 1\nif X:\n    from math import pi as Y\n\ndef f(): pass\n",
+        "b": "from lily.a import X, Y, f\nfrom lily.a import Z\n",
+    })  # fmt: skip
     assert missing_names(mods) == ["lily.b:2 imports Z from lily.a"]

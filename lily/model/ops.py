@@ -119,13 +119,17 @@ MOE_ROWS_CONFIGS: dict[int, MoeDecodeConfig] = {} if not HAS_KERNELS else {
 }  # fmt: skip
 
 
+def at_rows(table: dict, b: int, default=None):
+    """The entry of a batched step's table for ``b`` rows: that of the largest key <= b
+    (``default`` where there is none)."""
+    keys = [n for n in table if n <= b]
+    return table[max(keys)] if keys else default
+
+
 def moe_rows_config(b: int) -> MoeDecodeConfig | None:
     """moe_decode's tile for a batched decode step of ``b`` rows (MOE_ROWS_CONFIGS), or
     None: the defaults."""
-    if not MOE_ROWS_CONFIGS or b < 2:
-        return None
-    keys = [n for n in MOE_ROWS_CONFIGS if n <= b]
-    return MOE_ROWS_CONFIGS[max(keys)] if keys else None
+    return at_rows(MOE_ROWS_CONFIGS, b)
 
 
 # The DeltaNet step's tile in a batched decode step of B rows (deltanet_decode_rows, grid
@@ -141,8 +145,7 @@ DELTANET_ROWS_DEFAULT = (16, 4)  # deltanet_decode_rows' own block_v and num_war
 def deltanet_rows_config(b: int) -> tuple[int, int]:
     """(block_v, num_warps) of deltanet_decode_rows for a batched decode step of ``b`` rows
     (DELTANET_ROWS_CONFIGS; DELTANET_ROWS_DEFAULT without an entry at or below ``b``)."""
-    keys = [n for n in DELTANET_ROWS_CONFIGS if n <= b]
-    return DELTANET_ROWS_CONFIGS[max(keys)] if keys else DELTANET_ROWS_DEFAULT
+    return at_rows(DELTANET_ROWS_CONFIGS, b, DELTANET_ROWS_DEFAULT)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ import torch
 
 from lily.bench.gpu import persistent_stream as ps
 from lily.bench.gpu.diagnostics import persistent_floor as pf
+from lily.bench.gpu.kernels.common import cuobjdump
 from lily.ops import cuda_rtc
 from lily.ops.step_plan import Phase, split_chunks
 
@@ -91,7 +92,7 @@ def test_a_wrong_mma_loop_is_refused_with_its_name():
 def _tools() -> bool:
     try:
         cuda_rtc.nvrtc()
-        pf._cuobjdump()
+        cuobjdump()
     except (cuda_rtc.CudaRtcError, FileNotFoundError, ImportError):
         return False
     return True

@@ -8,10 +8,10 @@ with a dependency counter in global memory between phases
 running ahead across phases (the design), counters with a phase's copies issued only once
 its input is complete, no waits at all (the loader's own rate), each with a checksum or
 with the GEMVs' dequantizing tensor-core arithmetic (the first loop and the tighter ones:
-``--sass`` counts their instructions, on any machine with NVRTC); the phases' dependencies alone (no
-bytes: the cost of one link); the same bytes in one plain copy. Checked exactly against
-the host (every byte read once, every wait held); a traced run gives the timeline by
-phase kind (waiting and working) and the design's prediction is set beside it.
+``--sass`` counts their instructions, on any machine with NVRTC); the phases' dependencies
+alone (no bytes: the cost of one link); the same bytes in one plain copy. Checked exactly
+against the host (every byte read once, every wait held); a traced run gives the timeline
+by phase kind (waiting and working) and the design's prediction is set beside it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import os
 import re
 import subprocess
 import tempfile
@@ -27,6 +26,7 @@ import tempfile
 import torch
 
 from lily.bench.gpu import persistent_stream as ps
+from lily.bench.gpu.kernels.common import cuobjdump
 from lily.bench.measure import capture_graph, replay_ms
 from lily.checkpoint import complete_text_config, make_config
 from lily.config import ModelConfig
@@ -171,15 +171,6 @@ def context_rows(cfg: ModelConfig, ctx: int, args, sms: int) -> list[dict]:
     return rows
 
 
-def _cuobjdump() -> str:
-    import triton  # its NVIDIA backend ships cuobjdump
-
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"persistent_floor --sass: no cuobjdump at {path}")
-    return path
-
-
 def sass_loops(mma: int, chunk: int = 16384, warps: int = 8, stages: int = 12) -> list[dict]:
     """The consumer's MMA loop in SASS for sm_90a (compiled here, no GPU): each basic block
     holding an HMMA, with its instruction count, opcodes (suffixes dropped), predicated
@@ -189,7 +180,7 @@ def sass_loops(mma: int, chunk: int = 16384, warps: int = 8, stages: int = 12) -
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([_cuobjdump(), "-sass", f.name], capture_output=True, text=True,
+        text = subprocess.run([cuobjdump(), "-sass", f.name], capture_output=True, text=True,
                               check=True).stdout  # fmt: skip
     ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", text)]
     targets = {int(a, 16) for a in re.findall(r"BRA(?:\.\S+)?\s+(?:\S+,\s*)?0x([0-9a-f]+)", text)}

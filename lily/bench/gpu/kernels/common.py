@@ -280,8 +280,12 @@ def compile_sm90(fn, args, const: dict, opts: dict, aligned_tensors: bool):
 
 
 def cuobjdump() -> str:
-    """The cuobjdump Triton ships (reads a cubin's registers and SASS)."""
-    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump")
+    """The cuobjdump Triton ships (reads a cubin's registers and SASS); FileNotFoundError
+    where this Triton has none."""
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not path.exists():
+        raise FileNotFoundError(f"no cuobjdump at {path} (Triton's NVIDIA backend ships it)")
+    return str(path)
 
 
 def sweep_args(ap, lines: str) -> None:
