@@ -134,11 +134,12 @@ def moe_rows_config(b: int) -> MoeDecodeConfig | None:
 
 # The DeltaNet step's tile in a batched decode step of B rows (deltanet_decode_rows, grid
 # (Vd / block_v, Hv, B)): (block_v, num_warps), the entry of the largest key <= B (keys 2
-# to MAX_ROWS; none: DELTANET_ROWS_DEFAULT, the one-row launcher's defaults). Empty until
-# measured: `lily bench --run kernels.deltanet_rows -- --variants` on the H200 prints each
-# B's fastest tile as an entry of this table (docs/notes/batching.md). As for the MoE's
-# table, the compile matrix and the warm-up run every batch size through this dispatch.
-DELTANET_ROWS_CONFIGS: dict[int, tuple[int, int]] = {}
+# to MAX_ROWS; none: DELTANET_ROWS_DEFAULT, the one-row launcher's defaults). Measured on
+# the H200 (`lily bench --run kernels.deltanet_rows -- --variants`, sixth session,
+# bench/results/deltanet_rows_sweep_h200_s6.json; us a layer against the default tile): 2
+# rows 5.89 (6.74), 4 rows 8.00 (10.58), 8 rows 14.32 (16.82), 16 rows 25.74 (29.82). As
+# for the MoE's table, the compile matrix and the warm-up run every batch size through it.
+DELTANET_ROWS_CONFIGS: dict[int, tuple[int, int]] = {2: (64, 4), 16: (32, 2)}
 DELTANET_ROWS_DEFAULT = (16, 4)  # deltanet_decode_rows' own block_v and num_warps
 
 
