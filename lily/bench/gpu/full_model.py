@@ -19,11 +19,12 @@ def full_params() -> dict:
 
 
 def kernel_engine(params: dict, chunk: int = 4096, max_context: int = 65536,
-                  prefix_cache_gb: float = 0.0, cfg: ModelConfig = FULL):  # fmt: skip
+                  prefix_cache_gb: float = 0.0, cfg: ModelConfig = FULL,
+                  max_running: int = 1):  # fmt: skip
     """An engine over ``params`` (of ``cfg``) with the model on the Triton kernels in bf16."""
     ecfg = EngineConfig(device="cuda", dtype="bfloat16", prefill_chunk=chunk,
                         max_context=max_context, use_kernels=True,
-                        prefix_cache_gb=prefix_cache_gb)  # fmt: skip
+                        prefix_cache_gb=prefix_cache_gb, max_running=max_running)  # fmt: skip
     return engine_from_params(cfg, params, ecfg)
 
 

@@ -53,6 +53,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="A/B: the batched step's MoE on moe_decode_rows (ROWS_MOE)",
     )
+    ap.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="A/B: sys.setswitchinterval in seconds for this process (server and engine)",
+    )
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="the tiny random model on the CPU")
     ap.add_argument("--out", help="JSON results")
@@ -88,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
                                 name="random " + ("tiny" if args.tiny else "full"),
                                 text_only=True)  # fmt: skip
     conc = [int(c) for c in args.concurrency.split(",")]
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     server = serve_load.Server(engine, args.max_running)
     try:
         # (the clients: a process each, started once and reused by every pass)
