@@ -6,8 +6,9 @@ On the full-size random model on the kernels: for each batch size B, B greedy re
 steps are timed by the host's clock. Each step's wall time is split into the time the host
 waited for the device's draws (``Runner.recv_rows``) and the rest (the host's own work:
 launches, table updates, each row's accept, detokenize and stop checks). The batched
-step's CUDA graph replayed alone (CUDA events) gives the device's time for scale: where
-the loop's step is longer than the replay, the host or a sync holds the device idle.
+step's CUDA graph replayed alone (CUDA events) gives the device's time for scale (where the
+loop's step is longer than the replay, the host or a sync holds the device idle), and one
+replay profiled gives its kernels (decode_timeline's exposed time by kind and kernel).
 
 ``--profile`` runs the largest B's loop once more under cProfile. ``--gil`` runs the same
 loop beside a thread that holds the GIL in pure-Python work for that many microseconds out
@@ -28,6 +29,7 @@ import time
 
 import torch
 
+from lily.bench.gpu.diagnostics.decode_timeline import print_timeline, timeline
 from lily.bench.gpu.full_model import full_params, kernel_engine, write_json
 from lily.bench.measure import pseudo_text_ids, replay_ms
 from lily.runtime.sampling import SamplingParams
@@ -81,18 +83,23 @@ def loop(engine, b: int, context: int, steps: int, seed: int) -> dict:
         total = time.perf_counter() - t_all
     finally:
         runner.recv_rows = real
+    # (the graph replayed while its states are still the batch's: a replay rewrites the
+    # rows' last positions and draws again, harmless to requests ended right after)
+    graphs = [v for k, v in runner.graphs.items() if k[0] == "rows" and k[1] == b]
+    replay = replay_ms(graphs[-1][0]) if graphs else None
+    tl = timeline(graphs[-1][0]) if graphs else None
     for s in seqs:
         batch.abort(s)
     batch.step()  # (drains what is in flight)
-    graphs = [v for k, v in runner.graphs.items() if k[0] == "rows" and k[1] == b]
-    replay = replay_ms(graphs[-1][0]) if graphs else None
     wall = statistics.median(walls) * 1e3
     wait = statistics.median(waits) * 1e3 if len(waits) >= steps // 2 else None
     out = {"rows": b, "context": context, "steps": steps, "tokens": emitted,
            "tok_s": round(emitted / total, 1), "step_wall_ms": round(wall, 4),
            "wait_ms": None if wait is None else round(wait, 4),
            "host_ms": None if wait is None else round(wall - wait, 4),
-           "replay_ms": None if replay is None else round(replay, 4)}  # fmt: skip
+           "replay_ms": None if replay is None else round(replay, 4), "timeline": tl}  # fmt: skip
+    if tl is not None:
+        print_timeline(f"B={b} replay {replay:.3f} ms", tl, top=14)
     return out
 
 
