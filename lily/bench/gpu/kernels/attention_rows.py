@@ -51,6 +51,8 @@ class Layer:
     def __init__(self, b: int, context: int, max_len: int, gen: torch.Generator):
         self.rows = [attn_inputs(1, max_len, gen, n) for n in lengths(b, context)]
         r0 = self.rows[0]
+        for d in self.rows:  # (one layer's norm weights serve every row)
+            d["q_norm"], d["k_norm"] = r0["q_norm"], r0["k_norm"]
         self.qg, self.k, self.v = (torch.cat([d[n] for d in self.rows]) for n in ("qg", "k", "v"))
         self.q_norm, self.k_norm = r0["q_norm"], r0["k_norm"]
         self.table = kv_table([(d["k_cache"], d["v_cache"]) for d in self.rows], DEV)
