@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from lily.bench.gpu.kernels.common import DEV, ceilings, graph_call_ms, rel, write_json
+from lily.bench.gpu.kernels.common import DEV, graph_call_ms, rel, sweep_start, write_json
 from lily.bench.gpu.kernels.mixer_attention import (
     ATTN_LAYERS,
     DH,
@@ -92,15 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-seconds", type=float, default=None)
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("kernels.attention_rows needs a CUDA GPU")
     rows = [int(b) for b in args.rows.split(",")]
     if args.context >= args.max_len:
         sys.exit(f"--context {args.context} must be below --max-len {args.max_len}")
-    t0 = time.monotonic()
-    copy_gbs = ceilings(read=False)["copy_GBps"]
+    t0, gen, ceil = sweep_start("attention_rows")
+    copy_gbs = ceil["copy_GBps"]
     inv_freq = rope_inv_freq(R, THETA, DEV)
-    gen = torch.Generator(device=DEV).manual_seed(0)
     lines: list[dict] = []
     default = default_split(args.max_len)
     for b in rows:
@@ -110,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         floor_us = nbytes / copy_gbs / 1e3
         for split in SPLITS:
             for warps, stages in TILES:
-                if args.max_seconds and time.monotonic() - t0 > args.max_seconds:
+                if args.max_seconds and time.perf_counter() - t0 > args.max_seconds:
                     break
                 kw = {"split": split, "num_warps": warps, "num_stages": stages}
                 line = {"B": b, "split": split, "num_warps": warps, "num_stages": stages,

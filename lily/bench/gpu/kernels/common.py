@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,6 +179,18 @@ def ceilings(read: bool = True) -> dict:
     b = torch.randn(8192, 8192, device=DEV, dtype=BF16)
     out["bf16_matmul_TFLOPs"] = 2 * 8192**3 / bench_ms(lambda: a @ b) / 1e9
     return out
+
+
+def sweep_start(name: str) -> tuple[float, torch.Generator, dict]:
+    """What a rows sweep does first: stop with a message where there is no CUDA GPU, then its
+    start time, the seeded generator and the device's rates (printed as JSON)."""
+    if not torch.cuda.is_available():
+        sys.exit(f"kernels.{name} needs a CUDA GPU")
+    t0 = time.perf_counter()
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    ceil = ceilings(read=False)
+    print(json.dumps(ceil), flush=True)
+    return t0, gen, ceil
 
 
 def gemv_point(calls: list, check, ref, nbytes: float, floor_us: float) -> dict:

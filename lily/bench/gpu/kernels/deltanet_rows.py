@@ -37,7 +37,6 @@ import argparse
 import dataclasses
 import json
 import math
-import sys
 import time
 from functools import partial
 
@@ -47,10 +46,10 @@ from lily.bench.gpu.kernels.common import (
     DEV,
     L2_BYTES,
     against_table,
-    ceilings,
     compile_problems,
     rel,
     sweep_args,
+    sweep_start,
     than_table,
     write_json,
 )
@@ -297,12 +296,7 @@ def main() -> None:
         batches = parse_rows(args.rows)
     except ValueError as e:
         ap.error(str(e))
-    if not torch.cuda.is_available():
-        sys.exit("kernels.deltanet_rows needs a CUDA GPU")
-    t0 = time.perf_counter()
-    gen = torch.Generator(device=DEV).manual_seed(0)
-    ceil = ceilings(read=False)
-    print(json.dumps(ceil), flush=True)
+    t0, gen, ceil = sweep_start("deltanet_rows")
     bench = Bench(ceil, args.out, args.max_seconds, t0)
     for b in batches:
         if bench.over():

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from functools import partial
 
@@ -50,12 +49,12 @@ from lily.bench.gpu.kernels.common import (
     DEV,
     EPS,
     against_table,
-    ceilings,
     cfg_str,
     compile_problems,
     graph_ms,
     rel,
     sweep_args,
+    sweep_start,
     table,
     than_table,
     weight_copies,
@@ -191,12 +190,7 @@ def main() -> None:
         shapes = pick_shapes(args.shapes)
     except ValueError as e:
         ap.error(str(e))
-    if not torch.cuda.is_available():
-        sys.exit("lily/bench/gpu/kernels/gemv_rows.py needs a CUDA GPU")
-    t0 = time.perf_counter()
-    gen = torch.Generator(device=DEV).manual_seed(0)
-    ceil = ceilings(read=False)
-    print(json.dumps(ceil), flush=True)
+    t0, gen, ceil = sweep_start("gemv_rows")
     results, skipped, best = [], [], []
     report = {"ceilings": ceil, "gemv_rows": results, "skipped": skipped, "best": best}
 
