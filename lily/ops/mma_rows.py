@@ -5,16 +5,30 @@ is here builds the rows' operand and applies the groups' scales and biases per r
 batched MoE decode (lily/ops/moe_decode_rows.py) multiplies with it.
 
 Rows hold bf16-exact values (bf16 activations, or h rounded to bf16): one bf16 term a row.
+
+Fewer rows than columns (B = 2 or 4 of 8): the operand is built for pow2(B) rows and
+broadcast over the columns (``to_columns``), as the one-row GEMV broadcasts its row; the
+work before the MMA scales with the rows, not the columns. A prepared operand
+(``rows_prep``, its own launch) holds the rows normed, rounded and in the codes' K order
+with their group sums, so each program of the GEMV only loads it (``rows_prepped``) where it
+would otherwise norm and permute every row itself.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 import triton
 import triton.language as tl
 
+from lily.ops.launch import launched, pdl_launch, pow2, use_pdl
 from lily.ops.norm_rope import sigmoid
+from lily.ops.qgemv import pdl_wait
 from lily.ops.qgemv_mma import as_term, mma_codes, mma_tile
-from lily.ops.rmsnorm import norm_x
+from lily.ops.rmsnorm import check_norm, norm_x
+
+Tensor = torch.Tensor
 
 
 @triton.jit
@@ -59,6 +73,116 @@ def rows_operand(b_x, G: tl.constexpr, GROUP: tl.constexpr, W: tl.constexpr,
     b = tl.reshape(tl.permute(tl.reshape(b, (BR * G, 4, WPL, 2, 2, 2)), (0, 2, 4, 1, 5, 3)),
                    (BR, G, GROUP))  # fmt: skip
     return tl.permute(b, (1, 2, 0)), tl.permute(b_xs, (1, 0))
+
+
+@triton.jit
+def to_columns(b_xb, b_xs, NC: tl.constexpr):
+    """``rows_operand``'s (G, GROUP, XR) operand and (G, XR) sums over NC >= XR columns:
+    column c holds row c % XR (the rows repeated, as qgemv_mma repeats its one row)."""
+    G: tl.constexpr = b_xb.shape[0]
+    GROUP: tl.constexpr = b_xb.shape[1]
+    XR: tl.constexpr = b_xb.shape[2]
+    if XR == NC:
+        return b_xb, b_xs
+    b_xb = tl.reshape(tl.broadcast_to(b_xb[:, :, None, :], (G, GROUP, NC // XR, XR)),
+                      (G, GROUP, NC))  # fmt: skip
+    b_xs = tl.reshape(tl.broadcast_to(b_xs[:, None, :], (G, NC // XR, XR)), (G, NC))
+    return b_xb, b_xs
+
+
+@triton.jit
+def k_order(j, WPL: tl.constexpr):
+    """A code's place in the MMA's K order (``mma_x``) from its place j in its group's
+    memory order: code 8 (WPL c + v) + 4 e + 2 m1 + m0 is k = 16 (2 v + m1) + 4 c + 2 m0 + e."""
+    c = j // (8 * WPL)
+    v = (j // 8) % WPL
+    return 32 * v + 16 * ((j // 2) % 2) + 4 * c + 2 * (j % 2) + (j // 4) % 2
+
+
+@triton.jit
+def rows_prepped(p_op, p_sum, G: tl.constexpr, GROUP: tl.constexpr, XR: tl.constexpr,
+                 W: tl.constexpr, NC: tl.constexpr, ON_CPU: tl.constexpr):  # fmt: skip
+    """A prepared operand (``_rows_prep_kernel``: (G, GROUP, XR) bf16 in the codes' K order
+    a group, sums (G, XR) fp32) as ``rows_operand`` and ``to_columns`` give it: batch
+    gh * W + gw holds group gw * GH + gh."""
+    GH: tl.constexpr = G // W
+    o_b = tl.arange(0, G)
+    g = (o_b % W) * GH + o_b // W
+    o_f = tl.arange(0, GROUP * XR)
+    b_xb = tl.reshape(tl.load(p_op + g[:, None] * (GROUP * XR) + o_f[None, :]), (G, GROUP, XR))
+    if ON_CPU:
+        b_xb = b_xb.to(tl.float32)  # (the interpreter's dot multiplies bf16 as integers)
+    b_xs = tl.load(p_sum + g[:, None] * XR + tl.arange(0, XR)[None, :])
+    return to_columns(b_xb, b_xs, NC)
+
+
+@launched
+@triton.jit(do_not_specialize=["B"])
+def _rows_prep_kernel(p_x, p_nw, p_op, p_sum, B, stride_xt, eps, XR: tl.constexpr,
+                      GROUP: tl.constexpr, NG: tl.constexpr, G: tl.constexpr,
+                      HAS_NORM: tl.constexpr, ON_CPU: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    # Program r: row r normed and rounded as rows_x makes it, its group sums, its values
+    # scattered into the K order (rows past B and groups past NG: zeros).
+    r = tl.program_id(0)
+    pdl_wait(PDL)
+    o_k = tl.arange(0, G * GROUP)
+    m_k = o_k < NG * GROUP
+    b_x = tl.load(p_x + r * stride_xt + o_k, mask=m_k & (r < B), other=0.0)
+    if HAS_NORM:
+        b_nw = tl.load(p_nw + o_k, mask=m_k, other=0.0)
+        b_xf = b_x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt_rn(tl.sum(b_xf * b_xf, axis=0) / (NG * GROUP) + eps)
+        b_xn = norm_x(b_x, b_nw, rstd, True, ON_CPU)
+    else:
+        b_xn = b_x.to(tl.float32)
+    o_g = tl.arange(0, G)
+    tl.store(p_sum + o_g * XR + r, tl.sum(tl.reshape(b_xn, (G, GROUP)), axis=1))
+    kk = k_order(o_k % GROUP, GROUP // 32)
+    tl.store(p_op + ((o_k // GROUP) * GROUP + kk) * XR + r, b_xn.to(p_op.dtype.element_ty))
+
+
+@dataclass(frozen=True)
+class RowsOperand:
+    """B rows of x prepared for the rows GEMV (``rows_prep``): ``op`` (G, GROUP, XR) bf16
+    in the codes' K order, ``sums`` (G, XR) fp32, for K = ``k`` in groups of ``group``."""
+
+    op: Tensor
+    sums: Tensor
+    rows: int
+    k: int
+    group: int
+
+    @property
+    def device(self) -> torch.device:
+        return self.op.device
+
+
+def rows_prep(x: Tensor, group: int, norm_weight: Tensor | None = None, eps: float = 1e-6,
+              pdl: bool = False) -> RowsOperand:  # fmt: skip
+    """x (B, K) bf16 (normed by ``norm_weight`` (K,) per row when given, rounded to bf16 as
+    ``rms_norm`` returns it) as a RowsOperand for groups of ``group``: one launch of pow2(B)
+    programs."""
+    name = "rows_prep"
+    if x.dtype != torch.bfloat16 or x.dim() != 2:
+        raise ValueError(f"{name}: x must be (B, K) bf16, got {tuple(x.shape)} {x.dtype}")
+    b, k = x.shape
+    if group not in (32, 64, 128) or k % group:
+        raise ValueError(f"{name}: K = {k} is not whole groups of 32, 64 or 128 (got {group})")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    if norm_weight is not None:
+        norm_weight = check_norm(norm_weight, k, name, x.device)
+    ng = k // group
+    g = pow2(ng)
+    xr = pow2(b)
+    op = torch.empty((g, group, xr), dtype=torch.bfloat16, device=x.device)
+    sums = torch.empty((g, xr), dtype=torch.float32, device=x.device)
+    pdl = use_pdl(pdl, x.device)
+    _rows_prep_kernel[(xr,)](
+        x, norm_weight if norm_weight is not None else x, op, sums, b, x.stride(0), float(eps),
+        XR=xr, GROUP=group, NG=ng, G=g, HAS_NORM=norm_weight is not None,
+        ON_CPU=x.device.type == "cpu", PDL=pdl, num_warps=4, **pdl_launch(pdl),
+    )  # fmt: skip
+    return RowsOperand(op, sums, b, k, group)
 
 
 @triton.jit

@@ -28,7 +28,14 @@ import triton
 import triton.language as tl
 
 from lily.ops.launch import cdiv, check_weight, check_x, launched, pdl_launch, pow2, use_pdl
-from lily.ops.mma_rows import rows_dot, rows_operand, rows_x
+from lily.ops.mma_rows import (
+    RowsOperand,
+    rows_dot,
+    rows_operand,
+    rows_prepped,
+    rows_x,
+    to_columns,
+)
 from lily.ops.qgemv import pdl_wait
 from lily.ops.qgemv_mma import PAIR_MASK, MmaGemvConfig, mma_gemv_config, mma_supports, mma_tile
 from lily.ops.rmsnorm import cast_to, check_norm
@@ -44,11 +51,12 @@ _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 @launched
 @triton.jit(do_not_specialize=["B"])
 def _qgemv_mma_rows_kernel(
-    p_x, p_qw, p_s, p_b, p_nw, p_res, p_out, B, N, stride_xt, stride_rt, stride_ot,
-    stride_qn, stride_sn, pair_mask, eps,
-    BR: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, G: tl.constexpr,
-    BLOCK_N: tl.constexpr, W: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
-    EVEN_N: tl.constexpr, ON_CPU: tl.constexpr, PDL: tl.constexpr,
+    p_x, p_qw, p_s, p_b, p_nw, p_res, p_out, p_op, p_sum, B, N, stride_xt, stride_rt,
+    stride_ot, stride_qn, stride_sn, pair_mask, eps,
+    BR: tl.constexpr, XR: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
+    G: tl.constexpr, BLOCK_N: tl.constexpr, W: tl.constexpr, HAS_NORM: tl.constexpr,
+    HAS_RES: tl.constexpr, PREP: tl.constexpr, EVEN_N: tl.constexpr, ON_CPU: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     i_n = tl.program_id(0)
     row0 = i_n * BLOCK_N
@@ -56,13 +64,17 @@ def _qgemv_mma_rows_kernel(
                              GROUP, NG, G, BLOCK_N, W, 0, EVEN_N, NG == G)  # fmt: skip
     # Everything above reads only constants; x and the residual may be the previous kernel's.
     pdl_wait(PDL)
-    o_r = tl.arange(0, BR)
-    m_r = o_r < B
-    b_x = rows_x(p_x, stride_xt, p_nw, eps, m_r, BR, NG, G, GROUP, HAS_NORM, ON_CPU)
-    b_xb, b_xs = rows_operand(b_x, G, GROUP, W, ON_CPU)
+    if PREP:
+        b_xb, b_xs = rows_prepped(p_op, p_sum, G, GROUP, XR, W, BR, ON_CPU)
+    else:
+        b_x = rows_x(p_x, stride_xt, p_nw, eps, tl.arange(0, XR) < B, XR, NG, G, GROUP,
+                     HAS_NORM, ON_CPU)  # fmt: skip
+        b_xb, b_xs = rows_operand(b_x, G, GROUP, W, ON_CPU)
+        b_xb, b_xs = to_columns(b_xb, b_xs, BR)
     acc = rows_dot(b_w, b_s, b_b, b_xb, b_xs, pair_mask, G, BLOCK_N, ON_CPU)  # (BLOCK_N, BR)
+    o_r = tl.arange(0, BR)
     o_n = row0 + tl.arange(0, BLOCK_N)
-    m_o = (o_n < N)[:, None] & m_r[None, :]
+    m_o = (o_n < N)[:, None] & (o_r < B)[None, :]  # (column c < B holds row c)
     if HAS_RES:
         acc += tl.load(p_res + o_r[None, :] * stride_rt + o_n[:, None], mask=m_o,
                        other=0.0).to(tl.float32)  # fmt: skip
@@ -117,7 +129,7 @@ def mma_rows_config(n: int, k: int, group_size: int, b: int) -> MmaGemvConfig:
 
 
 def qgemv_mma_rows(
-    x: Tensor,
+    x: Tensor | RowsOperand,
     w: QuantWeight,
     residual: Tensor | None = None,
     *,
@@ -126,44 +138,66 @@ def qgemv_mma_rows(
     eps: float = 1e-6,
     config: MmaGemvConfig | None = None,
     pdl: bool = False,
+    operand_rows: int | None = None,
 ) -> Tensor:
     """``residual + x' @ dequantize(w).T`` for B decode rows on the tensor cores, one launch.
 
-    x: (B, K) bf16, 1 <= B <= MAX_ROWS; w: 4-bit QuantWeight (N, K), groups of 32, 64 or
-    128, rows on 16-byte boundaries (``mma_supports``); ``x' = rmsnorm(x) * norm_weight``
-    per row (rounded to bf16, as ``rms_norm`` returns it) when ``norm_weight`` (K,) is
-    given, else x; ``residual`` (B, N) added in fp32 before the rounding; output (B, N) in
-    ``out_dtype`` (default bf16; fp32 for the lm_head). ``config``: the tile (default
-    ``mma_rows_config``). ``pdl``: programmatic dependent launch (Hopper; ignored
-    elsewhere). Each row's result is qgemv_mma's of that row alone up to fp32 rounding.
+    x: (B, K) bf16, 1 <= B <= MAX_ROWS, or the rows already prepared (``rows_prep``: normed
+    there; no ``norm_weight`` here); w: 4-bit QuantWeight (N, K), groups of 32, 64 or 128,
+    rows on 16-byte boundaries (``mma_supports``); ``x' = rmsnorm(x) * norm_weight`` per row
+    (rounded to bf16, as ``rms_norm`` returns it) when ``norm_weight`` (K,) is given, else
+    x; ``residual`` (B, N) added in fp32 before the rounding; output (B, N) in ``out_dtype``
+    (default bf16; fp32 for the lm_head). ``config``: the tile (default ``mma_rows_config``).
+    ``pdl``: programmatic dependent launch (Hopper; ignored elsewhere). ``operand_rows``:
+    the rows each program builds the operand for (a power of two from B to the MMA's
+    columns; default pow2(B)). Each row's result is qgemv_mma's of that row alone up to fp32
+    rounding.
     """
     name = "qgemv_mma_rows"
     check_weight(w, f"{name}: w", 2)
     if w.bits != 4:
         raise ValueError(f"{name}: {w.bits}-bit weights are not supported (4 bits; use qgemv)")
     n, k = w.shape
-    check_x(x, k, name, w.device)
-    if x.dtype != torch.bfloat16:
-        raise TypeError(f"{name}: x must be bf16, got {x.dtype} (other dtypes: qgemv)")
-    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
-        raise ValueError(f"{name}: x must be (B, K) with 1 <= B <= {MAX_ROWS}, "
-                         f"got {tuple(x.shape)}")  # fmt: skip
+    prep = isinstance(x, RowsOperand)
+    if prep:
+        if (x.k, x.group) != (k, w.group_size) or x.device != w.device:
+            raise ValueError(f"{name}: the prepared rows (K {x.k}, groups of {x.group}, on "
+                             f"{x.device}) do not fit w (K {k}, groups of {w.group_size}, on "
+                             f"{w.device})")  # fmt: skip
+        if norm_weight is not None:
+            raise ValueError(f"{name}: prepared rows are normed by rows_prep, not here")
+        b = x.rows
+    else:
+        check_x(x, k, name, w.device)
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"{name}: x must be bf16, got {x.dtype} (other dtypes: qgemv)")
+        if x.dim() != 2:
+            raise ValueError(f"{name}: x must be (B, K) with 1 <= B <= {MAX_ROWS}, "
+                             f"got {tuple(x.shape)}")  # fmt: skip
+        b = x.shape[0]
+        x = x if x.stride(1) == 1 else x.contiguous()
+    if not 1 <= b <= MAX_ROWS:
+        raise ValueError(f"{name}: x must be (B, K) with 1 <= B <= {MAX_ROWS}, got {b} rows")
     if not mma_supports(w):
         raise ValueError(f"{name}: qweight rows must start on 16-byte boundaries")
-    b = x.shape[0]
-    x = x if x.stride(1) == 1 else x.contiguous()
+    columns = 8 if b <= 8 else 16
+    xr = pow2(b) if prep or operand_rows is None else operand_rows
+    if xr < b or xr > columns or xr & (xr - 1):
+        raise ValueError(f"{name}: operand_rows must be a power of two from {b} to {columns}, "
+                         f"got {operand_rows}")  # fmt: skip
+    dev = w.device
     if norm_weight is not None:
-        norm_weight = check_norm(norm_weight, k, name, x.device)
+        norm_weight = check_norm(norm_weight, k, name, dev)
     if residual is not None:
-        if tuple(residual.shape) != (b, n) or residual.device != x.device:
+        if tuple(residual.shape) != (b, n) or residual.device != dev:
             raise ValueError(
                 f"{name}: residual {tuple(residual.shape)} on {residual.device} does not "
-                f"match the output {(b, n)} on {x.device}"
+                f"match the output {(b, n)} on {dev}"
             )
         if residual.dtype not in _OUT_DTYPES:
             raise TypeError(f"{name}: residual dtype {residual.dtype} is not bf16/fp16/fp32")
         residual = residual if residual.stride(1) == 1 else residual.contiguous()
-    out_dtype = out_dtype or x.dtype
+    out_dtype = out_dtype or torch.bfloat16
     if out_dtype not in _OUT_DTYPES:
         raise TypeError(f"{name}: out_dtype {out_dtype} is not bf16, fp16 or fp32")
     if config is not None and not isinstance(config, MmaGemvConfig):
@@ -172,16 +206,18 @@ def qgemv_mma_rows(
     n_groups = k // w.group_size
     groups = pow2(n_groups)
     warps = min(cfg.num_warps, groups)
-    out = torch.empty((b, n), dtype=out_dtype, device=x.device)
+    out = torch.empty((b, n), dtype=out_dtype, device=dev)
     res = residual if residual is not None else out
-    pdl = use_pdl(pdl, x.device)
+    xt = x.op if prep else x  # (a tensor for the unused pointer)
+    pdl = use_pdl(pdl, dev)
     _qgemv_mma_rows_kernel[(cdiv(n, cfg.block_n),)](
-        x, w.qweight, w.scales, w.biases, norm_weight if norm_weight is not None else x,
-        res, out, b, n, x.stride(0), res.stride(0), out.stride(0), w.qweight.stride(0),
-        w.scales.stride(0), PAIR_MASK, float(eps),
-        BR=8 if b <= 8 else 16, GROUP=w.group_size, NG=n_groups, G=groups,
+        xt, w.qweight, w.scales, w.biases, norm_weight if norm_weight is not None else xt,
+        res, out, xt, x.sums if prep else out, b, n, 0 if prep else x.stride(0),
+        res.stride(0), out.stride(0), w.qweight.stride(0), w.scales.stride(0), PAIR_MASK,
+        float(eps),
+        BR=columns, XR=xr, GROUP=w.group_size, NG=n_groups, G=groups,
         BLOCK_N=cfg.block_n, W=warps, HAS_NORM=norm_weight is not None,
-        HAS_RES=residual is not None, EVEN_N=n % cfg.block_n == 0,
-        ON_CPU=x.device.type == "cpu", PDL=pdl, num_warps=warps, **pdl_launch(pdl),
+        HAS_RES=residual is not None, PREP=prep, EVEN_N=n % cfg.block_n == 0,
+        ON_CPU=dev.type == "cpu", PDL=pdl, num_warps=warps, **pdl_launch(pdl),
     )  # fmt: skip
     return out

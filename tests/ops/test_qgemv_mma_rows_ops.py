@@ -24,6 +24,7 @@ if not torch.cuda.is_available():
 
 from lily.model.norm import rms_norm  # noqa: E402
 from lily.model.ref import ref_qlinear  # noqa: E402
+from lily.ops.mma_rows import rows_prep  # noqa: E402
 from lily.ops.qgemv_mma import MmaGemvConfig, mma_gemv_config, qgemv_mma  # noqa: E402
 from lily.ops.qgemv_mma_rows import MAX_ROWS, mma_rows_config, qgemv_mma_rows  # noqa: E402
 from lily.quant import QuantWeight, quantize  # noqa: E402
@@ -49,8 +50,13 @@ CASES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_rows_match_reference_and_each_row_alone(poison, case):
+@pytest.mark.parametrize(("case", "how"), [
+    (c, how) for c in CASES for how in ("fused", "prepared", "operand8")
+    if how != "operand8" or CASES[c][3] <= 8])  # fmt: skip
+def test_rows_match_reference_and_each_row_alone(poison, case, how):
+    """Each row against the reference and against qgemv_mma of that row alone: the rows
+    normed in each program on pow2(B) rows (``fused``), prepared once by rows_prep
+    (``prepared``), or built on all 8 columns (``operand8``, B <= 8)."""
     n, k, gs, b, norm, has_res, out_dtype, cfg = CASES[case]
     gen = torch.Generator().manual_seed(n + k + b)
     w = _weight(n, k, gs, gen)
@@ -58,7 +64,13 @@ def test_rows_match_reference_and_each_row_alone(poison, case):
     x = (2.0 * torch.randn(b, k + 8, generator=gen) + 0.3).bfloat16().to(DEV)[:, :k]
     nw = (1.0 + 0.2 * torch.randn(k, generator=gen)).bfloat16().to(DEV) if norm else None
     res = torch.randn(b, n + 3, generator=gen).bfloat16().to(DEV)[:, :n] if has_res else None
-    y = qgemv_mma_rows(x, w, res, out_dtype=out_dtype, norm_weight=nw, eps=EPS, config=cfg)
+    if how == "prepared":
+        xp = rows_prep(x, gs, nw, EPS)
+        y = qgemv_mma_rows(xp, w, res, out_dtype=out_dtype, config=cfg)
+    else:
+        rows = 8 if how == "operand8" else None
+        y = qgemv_mma_rows(x, w, res, out_dtype=out_dtype, norm_weight=nw, eps=EPS, config=cfg,
+                           operand_rows=rows)  # fmt: skip
     assert y.shape == (b, n) and y.dtype == out_dtype
     h = rms_norm(x, nw, EPS) if norm else x
     bound = 1e-2 if out_dtype == BF16 else 5e-4
@@ -119,6 +131,39 @@ def test_rows_reject_what_they_do_not_run():
         qgemv_mma_rows(x, w, out_dtype=torch.int32)
     with pytest.raises(TypeError, match="MmaGemvConfig"):
         qgemv_mma_rows(x, w, config=(16, 4))
+    for rows in (1, 3, 16):  # below B, not a power of two, past the 8 columns
+        with pytest.raises(ValueError, match="operand_rows"):
+            qgemv_mma_rows(x, w, operand_rows=rows)
+    xp = rows_prep(x, 64)
+    with pytest.raises(ValueError, match="normed by rows_prep"):
+        qgemv_mma_rows(xp, w, norm_weight=torch.ones(128, device=DEV))
+    with pytest.raises(ValueError, match="do not fit"):
+        qgemv_mma_rows(rows_prep(x, 32), w)
+    with pytest.raises(ValueError, match="do not fit"):
+        qgemv_mma_rows(xp, _weight(32, 256, 64, gen))
+    with pytest.raises(ValueError, match="whole groups"):
+        rows_prep(x[:, :100], 64)
+    with pytest.raises(ValueError, match="bf16"):
+        rows_prep(x.float(), 64)
+
+
+def test_prepared_rows_are_the_normed_rows():
+    """rows_prep's operand holds each normed row's values (a permutation within each
+    group, rows past B zero) and its sums are the groups' sums of the normed row."""
+    gen = torch.Generator().manual_seed(11)
+    b, k, gs = 3, 320, 64  # 5 groups, padded to 8
+    x = (2.0 * torch.randn(b, k, generator=gen)).bfloat16().to(DEV)
+    nw = (1.0 + 0.2 * torch.randn(k, generator=gen)).bfloat16().to(DEV)
+    p = rows_prep(x, gs, nw, EPS)
+    assert tuple(p.op.shape) == (8, gs, 4) and tuple(p.sums.shape) == (8, 4)
+    h = rms_norm(x, nw, EPS).float().cpu().view(b, 5, gs)
+    op = p.op.float().cpu()
+    for r in range(b):
+        got = op[:5, :, r]
+        assert torch.equal(got.sort(dim=1).values, h[r].sort(dim=1).values), r
+        assert not torch.equal(got, h[r])  # the K order is not memory order
+        torch.testing.assert_close(p.sums[:5, r].cpu(), h[r].sum(dim=1), rtol=1e-5, atol=1e-5)
+    assert not op[5:].any() and not op[:, :, b:].any() and not p.sums.cpu()[5:].any()
 
 
 @pytest.fixture
