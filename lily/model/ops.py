@@ -53,6 +53,7 @@ if HAS_KERNELS:
     from lily.ops.qgemv import MAX_ROWS as QGEMV_ROWS  # the most rows the GEMV takes
     from lily.ops.qgemv import qgemv
     from lily.ops.qgemv_mma import mma_supports, qgemv_mma
+    from lily.ops.mma_rows import rows_prep
     from lily.ops.qgemv_mma_rows import MAX_ROWS as MMA_ROWS
     from lily.ops.qgemv_mma_rows import qgemv_mma_rows
     from lily.ops.rmsnorm import add_rmsnorm, rmsnorm
@@ -75,6 +76,12 @@ GEMV_ROWS_BF16 = 2
 # qgemv/qgemm (its projections 1.17 ms a step against 2.36 at 8 rows), and each row's
 # logits came out bitwise equal to the one-row step's.
 ROWS_MMA = True
+
+
+# A batched step's normed projections (and the lm_head) with their rows prepared once
+# (rows_prep: normed, in the MMA's K order, one launch) instead of normed by every program
+# of the GEMV (each program of the lm_head's 7,760 re-made B rows). Not yet measured.
+ROWS_PREP = False
 
 
 def rows_mma(x: Tensor, w: Weight, k: Kernels) -> bool:
@@ -198,6 +205,10 @@ def linear(x: Tensor, w: Weight, k: Kernels | None, residual: Tensor | None = No
         return y if residual is None else y + residual
     if isinstance(w, QuantWeight):
         if rows_mma(x, w, k):
+            if ROWS_PREP and prologue:
+                x = rows_prep(x, w.group_size, prologue["norm_weight"], prologue["eps"],
+                              pdl=k.pdl)  # fmt: skip
+                prologue = {}
             return qgemv_mma_rows(x, w, residual=residual, out_dtype=out_dtype, pdl=k.pdl,
                                   **prologue)  # fmt: skip
         if x.shape[0] <= gemv_rows(x):
@@ -260,6 +271,8 @@ def head(x: Tensor, norm_w: Tensor, w: Weight, eps: float, k: Kernels | None) ->
         return ref_linear(rms_norm(x, norm_w, eps), w).float()
     one_mma = k.mma and x.shape[0] == 1 and isinstance(w, QuantWeight) and mma_supports(w)
     if k.step and isinstance(w, QuantWeight) and not (one_mma or rows_mma(x, w, k)):
+        return linear(x, w, k, out_dtype=torch.float32, norm_weight=norm_w, eps=eps)
+    if ROWS_PREP and k.step and rows_mma(x, w, k):  # the norm in the rows' preparation
         return linear(x, w, k, out_dtype=torch.float32, norm_weight=norm_w, eps=eps)
     # On the tensor cores the norm gets its own launch: in the GEMV's prologue each of
     # ~7,800 programs redid it (95 against 89 us), and the rows' GEMV would redo B rows.

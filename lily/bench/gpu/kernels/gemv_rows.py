@@ -15,7 +15,11 @@ lm_head with the final norm and fp32 logits. Per shape and B, paths:
   many programs each redo it in the prologue);
 - ``qgemv`` (B <= 8): what the batched step ran for 2-8 rows before ROWS_MMA (FMA GEMV,
   PDL); ``qgemm``: what it ran above 8 rows (rmsnorm launch, GEMM, the residual after);
-- ``qgemv_mma x B``: B one-row tensor-core GEMVs in a row (B = 1: the single-sequence step).
+- ``qgemv_mma x B``: B one-row tensor-core GEMVs in a row (B = 1: the single-sequence step);
+- ``qgemv_mma_rows operand8`` (B <= 4): the operand built on all 8 columns, as before it
+  was built on pow2(B) rows; ``rows_prep+qgemv_mma_rows``: the rows prepared by their own
+  launch (normed, K order, sums), each program only loading them; ``qgemv_mma_rows
+  prepared``: the same GEMV with the preparation made once outside the timing (its bound).
 ``--variants``: qgemv_mma_rows also on the tiles of SWEEP (BLOCK_N 16/32/64 x warps
 4/8/16; the lm_head's as rmsnorm+qgemv_mma_rows, as the batched step runs it), a tile the
 compile matrix would reject on this GPU (lily/ops/matrix.py: registers, spills past its
@@ -65,6 +69,7 @@ from lily.model.norm import rms_norm
 from lily.model.ref import ref_qlinear
 from lily.ops.qgemm import qgemm
 from lily.ops.qgemv import qgemv
+from lily.ops.mma_rows import rows_prep
 from lily.ops.qgemv_mma import MmaGemvConfig, qgemv_mma
 from lily.ops.qgemv_mma_rows import mma_rows_config, qgemv_mma_rows
 from lily.ops.rmsnorm import rmsnorm
@@ -131,10 +136,31 @@ def paths(b: int, norm: bool, out_dtype, variants: list | tuple = (), sweep_only
                                       else res[r], out_dtype=out_dtype, pdl=True, **pro)
                             for r in range(len(x))])  # fmt: skip
 
+    def rows8(x, w, nw, res):
+        return qgemv_mma_rows(x, w, res, out_dtype=out_dtype, norm_weight=nw, eps=EPS,
+                              pdl=True, operand_rows=8)  # fmt: skip
+
+    def prep(x, w, nw, res):
+        return qgemv_mma_rows(rows_prep(x, w.group_size, nw, EPS, pdl=True), w, res,
+                              out_dtype=out_dtype, pdl=True)  # fmt: skip
+
+    made = {}
+
+    def prepared(x, w, nw, res):  # the operand made once, outside the timed graph
+        key = (x.data_ptr(), None if nw is None else nw.data_ptr())
+        if key not in made:
+            made[key] = rows_prep(x, w.group_size, nw, EPS)
+        return qgemv_mma_rows(made[key], w, res, out_dtype=out_dtype, pdl=True)
+
     calls = {"qgemv_mma_rows": rows, "rmsnorm+qgemv_mma_rows": rows_split}
     out = [("qgemv_mma_rows", "table", rows, None)]
     if norm:
         out.append(("rmsnorm+qgemv_mma_rows", "table", rows_split, None))
+    if not sweep_only:
+        if b <= 4:  # (from 5 rows pow2(B) is the 8 columns)
+            out.append(("qgemv_mma_rows operand8", "table", rows8, None))
+        out.append(("rows_prep+qgemv_mma_rows", "table", prep, None))
+        out.append(("qgemv_mma_rows prepared", "table", prepared, None))
     out += [(op, cfg_str(cfg), partial(calls[op], cfg=cfg), cfg) for cfg in variants]
     if sweep_only:
         return [p for p in out if p[0] == op]
