@@ -156,6 +156,9 @@ class RowsOperand:
     def device(self) -> torch.device:
         return self.op.device
 
+    def __len__(self) -> int:  # the rows, as len() of the (B, K) rows it was made from
+        return self.rows
+
 
 def rows_prep(x: Tensor, group: int, norm_weight: Tensor | None = None, eps: float = 1e-6,
               pdl: bool = False) -> RowsOperand:  # fmt: skip

@@ -155,12 +155,14 @@ def test_kernel_rows_match_kernel_single_steps(checkpoint, graphs):
         assert {k[:2] for k in runner.graphs if k[0] == "rows"} == {("rows", 3), ("rows", 4)}
 
 
-@pytest.mark.parametrize("rows_moe", [False, True], ids=["default", "rows_switches"])
-def test_model_rows_on_the_kernels_equal_each_row_alone(monkeypatch, rows_moe):
+@pytest.mark.parametrize(("rows_moe", "rows_prep"), [(False, False), (True, False), (True, True)],
+                         ids=["no_rows_mma", "rows_switches", "rows_prep"])  # fmt: skip
+def test_model_rows_on_the_kernels_equal_each_row_alone(monkeypatch, rows_moe, rows_prep):
     """Model.run over Rows on the kernels (the Triton interpreter on the CPU; bf16, so
     every layer's MoE takes the batched step's kernel: moe_decode over the rows, or with
     ROWS_MOE moe_decode_rows and with ROWS_MMA the projections and head on
-    qgemv_mma_rows; the mixers their row tables) against Model.run of each
+    qgemv_mma_rows, with ROWS_PREP their normed rows prepared by rows_prep; the mixers
+    their row tables) against Model.run of each
     row alone on the kernels' one-sequence step (moe_decode of one row): the last layer's
     output of every row. Rows at different positions over states prefilled (by the
     reference path) from different prompts. Two layers, one of each kind, of the tiny
@@ -190,6 +192,11 @@ def test_model_rows_on_the_kernels_equal_each_row_alone(monkeypatch, rows_moe):
     real = getattr(model_ops, name)
     monkeypatch.setattr(model_ops, "ROWS_MOE", rows_moe)
     monkeypatch.setattr(model_ops, "ROWS_MMA", rows_moe)
+    monkeypatch.setattr(model_ops, "ROWS_PREP", rows_prep)
+    preps = []
+    real_prep = model_ops.rows_prep
+    monkeypatch.setattr(model_ops, "rows_prep",
+                        lambda x, *a, **k: preps.append(len(x)) or real_prep(x, *a, **k))
     mma_rows = []
     real_mma = model_ops.qgemv_mma_rows
     monkeypatch.setattr(
@@ -208,6 +215,14 @@ def test_model_rows_on_the_kernels_equal_each_row_alone(monkeypatch, rows_moe):
         assert rows_seen == [3] * cfg.num_hidden_layers  # every layer's MoE, all rows at once
         # with ROWS_MMA every packed projection and the head: more than one a layer
         assert (len(mma_rows) > cfg.num_hidden_layers) == rows_moe and set(mma_rows) <= {3}
+        # with ROWS_PREP each layer's input projection: prepared rows
+        assert len(preps) == (cfg.num_hidden_layers if rows_prep else 0)
+        if rows_prep:  # and the head's final norm (against the reference head, row by row)
+            logits = model.head(got, step=True)
+            assert len(preps) == cfg.num_hidden_layers + 1
+            for r in range(len(prompts)):
+                want = ref.head(got[r : r + 1])[0].double()
+                assert float((logits[r].double() - want).norm() / want.norm()) <= 1e-2, r
         monkeypatch.setattr(model_ops, name, real)
         for r, (p, st) in enumerate(zip(prompts, alone, strict=True)):
             want, _ = model.run(torch.tensor(toks[r : r + 1], device=dev), st, len(p), bound,
