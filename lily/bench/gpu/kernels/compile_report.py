@@ -37,7 +37,9 @@ from lily.ops.moe_decode import MoeDecodeConfig, moe_decode
 from lily.ops.moe_prefill import moe_prefill, moe_prefill_config
 from lily.ops.qgemm import gemm_config, qgemm
 from lily.ops.qgemv import gemv_config, qgemv
+from lily.ops.mma_rows import rows_prep
 from lily.ops.qgemv_mma import mma_gemv_config, qgemv_mma
+from lily.ops.qgemv_mma_rows import qgemv_mma_rows
 
 ERR_CHARS = 200
 
@@ -151,6 +153,17 @@ def compile_report(only: set[str], sweeps: Sweeps, sass_dir: str | None = None) 
                 launches.append("o_proj/out_proj res pdl")
                 qgemv_mma(torch.zeros(4096, dtype=BF16), zero_qweight((D, 4096), 4),
                           residual=x, pdl=True)  # fmt: skip
+        if "gemv_rows" in only:  # the batched step's normed projection, three operand forms
+            wr = zero_qweight((12352, D), 4)
+            for b in (2, 4, 8):
+                xb = torch.zeros(b, D, dtype=BF16)
+                for form, call in (
+                    ("operand8", lambda: qgemv_mma_rows(xb, wr, norm_weight=nw, operand_rows=8)),
+                    ("pow2(B)", lambda: qgemv_mma_rows(xb, wr, norm_weight=nw)),
+                    ("rows_prep", lambda: qgemv_mma_rows(rows_prep(xb, 64, nw), wr)),
+                ):  # fmt: skip
+                    launches.append(f"dn qkv|z|b|a norm B={b} {form}")
+                    call()
     finally:
         JITFunction.__getitem__, Launched.launch = real_getitem, real_launch
 
