@@ -153,17 +153,22 @@ def compile_report(only: set[str], sweeps: Sweeps, sass_dir: str | None = None) 
                 launches.append("o_proj/out_proj res pdl")
                 qgemv_mma(torch.zeros(4096, dtype=BF16), zero_qweight((D, 4096), 4),
                           residual=x, pdl=True)  # fmt: skip
-        if "gemv_rows" in only:  # the batched step's normed projection, three operand forms
-            wr = zero_qweight((12352, D), 4)
-            for b in (2, 4, 8):
-                xb = torch.zeros(b, D, dtype=BF16)
-                for form, call in (
-                    ("operand8", lambda: qgemv_mma_rows(xb, wr, norm_weight=nw, operand_rows=8)),
-                    ("pow2(B)", lambda: qgemv_mma_rows(xb, wr, norm_weight=nw)),
-                    ("rows_prep", lambda: qgemv_mma_rows(rows_prep(xb, 64, nw), wr)),
-                ):  # fmt: skip
-                    launches.append(f"dn qkv|z|b|a norm B={b} {form}")
-                    call()
+        if "gemv_rows" in only:  # the batched step's projections, three operand forms
+            for name, n, k, norm in (("dn qkv|z|b|a norm", 12352, D, True),
+                                     ("o_proj res", D, 4096, False)):  # fmt: skip
+                wr = zero_qweight((n, k), 4)
+                kw = {"norm_weight": torch.ones(k, dtype=BF16)} if norm else {}
+                for b in (2, 4, 8):
+                    xb = torch.zeros(b, k, dtype=BF16)
+                    res = torch.zeros(b, n, dtype=BF16) if not norm else None
+                    for form, call in (
+                        ("operand8", lambda: qgemv_mma_rows(xb, wr, res, operand_rows=8, **kw)),
+                        ("pow2(B)", lambda: qgemv_mma_rows(xb, wr, res, **kw)),
+                        ("rows_prep", lambda: qgemv_mma_rows(rows_prep(xb, 64, kw.get(
+                            "norm_weight")), wr, res)),
+                    ):  # fmt: skip
+                        launches.append(f"{name} B={b} {form}")
+                        call()
     finally:
         JITFunction.__getitem__, Launched.launch = real_getitem, real_launch
 
