@@ -80,8 +80,11 @@ ROWS_MMA = True
 
 # A batched step's normed projections (and the lm_head) with their rows prepared once
 # (rows_prep: normed, in the MMA's K order, one launch) instead of normed by every program
-# of the GEMV (each program of the lm_head's 7,760 re-made B rows). Not yet measured.
-ROWS_PREP = False
+# of the GEMV (each program of the lm_head's 7,760 re-made B rows). Compile-only (sm_90,
+# docs/notes/batching.md, eighth session): a DeltaNet projection program's instructions
+# 2,994 -> 1,532 a thread at 8 rows (2,147 -> 1,518 at 4), as many a code as the one-row
+# GEMV's; on for that, to be confirmed on the H200 by rows_timeline's no_rows_prep variant.
+ROWS_PREP = True
 
 
 def rows_mma(x: Tensor, w: Weight, k: Kernels) -> bool:

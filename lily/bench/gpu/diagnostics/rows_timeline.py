@@ -7,8 +7,8 @@ batched step of the first B (``Runner.decode_rows``, its CUDA graph) is timed by
 kind and by kernel), with the host's wall time of a whole ``decode_rows`` call beside it
 and the one-row step's replay for scale. ``--variants`` repeats it with the batched step's
 switches of lily/model/ops.py changed, in the same process: ``no_rows_mma`` (projections on
-qgemv/qgemm), ``rows_moe`` (the MoE on moe_decode_rows), ``rows_prep`` (the normed
-projections' rows prepared once, ROWS_PREP).
+qgemv/qgemm), ``rows_moe`` (the MoE on moe_decode_rows), ``rows_prep`` /
+``no_rows_prep`` (the normed projections' rows prepared once, ROWS_PREP, or not).
 
     python3 -m lily.bench.gpu.diagnostics.rows_timeline --rows 2,4,8 --out $OUT/rows.json
 """
@@ -27,7 +27,7 @@ from lily.bench.gpu.full_model import full_params, kernel_engine, write_json
 from lily.bench.measure import pseudo_text_ids, replay_ms
 
 SWITCHES = {"current": {}, "no_rows_mma": {"ROWS_MMA": False}, "rows_moe": {"ROWS_MOE": True},
-            "rows_prep": {"ROWS_PREP": True}}
+            "rows_prep": {"ROWS_PREP": True}, "no_rows_prep": {"ROWS_PREP": False}}
 
 
 @contextlib.contextmanager
