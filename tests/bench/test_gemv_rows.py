@@ -36,16 +36,27 @@ def test_the_sweep_and_the_paths():
         return [(p[0], p[1], p[3])
                 for p in gemv_rows.paths(b, norm, None, variants, sweep_only, op)]  # fmt: skip
 
-    assert [o[0] for o in ops(4, True)] == ["qgemv_mma_rows", "rmsnorm+qgemv_mma_rows", "qgemv",
-                                            "qgemm", "qgemv_mma x B"]  # fmt: skip
-    assert [o[0] for o in ops(16, False)] == ["qgemv_mma_rows", "qgemm", "qgemv_mma x B"]
+    assert [o[0] for o in ops(4, True)] == [
+        "qgemv_mma_rows", "rmsnorm+qgemv_mma_rows", "rows_prep+qgemv_mma_rows",
+        "qgemv_mma_rows operand8", "qgemv_mma_rows prepared", "qgemv", "qgemm",
+        "qgemv_mma x B"]  # fmt: skip
+    assert [o[0] for o in ops(16, False)] == ["qgemv_mma_rows", "qgemv_mma_rows prepared",
+                                              "qgemm", "qgemv_mma x B"]  # fmt: skip
     tiles = [MmaGemvConfig(16, 8), MmaGemvConfig(32, 4)]
     assert ops(8, True, tiles, True) == [("qgemv_mma_rows", "table", None),
                                          ("qgemv_mma_rows", "n16 w8", tiles[0]),
                                          ("qgemv_mma_rows", "n32 w4", tiles[1])]  # fmt: skip
     # the lm_head: its norm a launch of its own in the batched step, and so in its sweep
+    # (without ROWS_PREP; with it every normed shape's rows are prepared by rows_prep)
+    import lily.model.ops as model_ops
+
     split = gemv_rows.swept("lm_head")
     assert split == "rmsnorm+qgemv_mma_rows" and gemv_rows.swept("o_proj") == "qgemv_mma_rows"
+    assert gemv_rows.swept("dn", True) == ("rows_prep+qgemv_mma_rows" if model_ops.ROWS_PREP
+                                           else "qgemv_mma_rows")  # fmt: skip
+    prep = "rows_prep+qgemv_mma_rows"
+    assert ops(8, True, tiles[1:], True, prep) == [(prep, "table", None),
+                                                   (prep, "n32 w4", tiles[1])]  # fmt: skip
     assert ops(16, True, tiles[:1], True, split) == [(split, "table", None),
                                                      (split, "n16 w8", tiles[0])]  # fmt: skip
 

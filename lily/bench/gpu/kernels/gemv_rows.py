@@ -64,6 +64,7 @@ from lily.bench.gpu.kernels.common import (
     weight_copies,
     write_json,
 )
+import lily.model.ops as model_ops
 from lily.bench.measure import attempt
 from lily.model.norm import rms_norm
 from lily.model.ref import ref_qlinear
@@ -104,8 +105,11 @@ def pick_shapes(spec: str | None) -> list[tuple]:
     return [by_key[k] for k in keys]
 
 
-def swept(name: str) -> str:
-    """The op the sweep times for a shape: qgemv_mma_rows as the batched step runs it."""
+def swept(name: str, norm: bool = False) -> str:
+    """The op the sweep times for a shape: qgemv_mma_rows as the batched step runs it (a
+    normed shape's rows prepared by rows_prep with ROWS_PREP, lily/model/ops.py)."""
+    if norm and model_ops.ROWS_PREP:
+        return "rows_prep+qgemv_mma_rows"
     return "rmsnorm+qgemv_mma_rows" if name in NORM_APART else "qgemv_mma_rows"
 
 
@@ -140,9 +144,9 @@ def paths(b: int, norm: bool, out_dtype, variants: list | tuple = (), sweep_only
         return qgemv_mma_rows(x, w, res, out_dtype=out_dtype, norm_weight=nw, eps=EPS,
                               pdl=True, operand_rows=8)  # fmt: skip
 
-    def prep(x, w, nw, res):
+    def prep(x, w, nw, res, cfg=None):
         return qgemv_mma_rows(rows_prep(x, w.group_size, nw, EPS, pdl=True), w, res,
-                              out_dtype=out_dtype, pdl=True)  # fmt: skip
+                              out_dtype=out_dtype, config=cfg, pdl=True)  # fmt: skip
 
     made = {}
 
@@ -152,14 +156,15 @@ def paths(b: int, norm: bool, out_dtype, variants: list | tuple = (), sweep_only
             made[key] = rows_prep(x, w.group_size, nw, EPS)
         return qgemv_mma_rows(made[key], w, res, out_dtype=out_dtype, pdl=True)
 
-    calls = {"qgemv_mma_rows": rows, "rmsnorm+qgemv_mma_rows": rows_split}
+    calls = {"qgemv_mma_rows": rows, "rmsnorm+qgemv_mma_rows": rows_split,
+             "rows_prep+qgemv_mma_rows": prep}  # fmt: skip
     out = [("qgemv_mma_rows", "table", rows, None)]
     if norm:
         out.append(("rmsnorm+qgemv_mma_rows", "table", rows_split, None))
+        out.append(("rows_prep+qgemv_mma_rows", "table", prep, None))
     if not sweep_only:
         if b <= 4:  # (from 5 rows pow2(B) is the 8 columns)
             out.append(("qgemv_mma_rows operand8", "table", rows8, None))
-        out.append(("rows_prep+qgemv_mma_rows", "table", prep, None))
         out.append(("qgemv_mma_rows prepared", "table", prepared, None))
     out += [(op, cfg_str(cfg), partial(calls[op], cfg=cfg), cfg) for cfg in variants]
     if sweep_only:
@@ -240,7 +245,7 @@ def main() -> None:
             table_cfg = mma_rows_config(n, k, gs, b)
             sweep = [c for c in SWEEP if c != table_cfg] if args.variants else []
             before = len(results)
-            ops = paths(b, norm, out_dtype, sweep, args.sweep_only, swept(name))
+            ops = paths(b, norm, out_dtype, sweep, args.sweep_only, swept(name, norm))
             for op, label, fn, cfg in ops:
                 base = {"shape": name, "N": n, "K": k, "B": b, "op": op, "config": label}
                 if over():
@@ -265,7 +270,7 @@ def main() -> None:
             for r in results[before:]:
                 if now_us and r.get("us"):
                     r["speedup_vs_now"] = now_us / r["us"]
-            if sweep and (top := fastest(results[before:], n, k, gs, b, swept(name))):
+            if sweep and (top := fastest(results[before:], n, k, gs, b, swept(name, norm))):
                 best.append(top)
                 print(best_line(top), flush=True)
             write_json(args.out, report)
