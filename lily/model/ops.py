@@ -45,6 +45,7 @@ if HAS_KERNELS:
     from lily.ops.deltanet_prefill import deltanet_prefill
     from lily.ops.embedding import DTYPES as EMBED_DTYPES
     from lily.ops.embedding import embedding_rows
+    from lily.ops.mma_rows import rows_prep
     from lily.ops.moe_decode import MoeDecodeConfig, moe_decode
     from lily.ops.moe_decode_rows import moe_decode_rows, rows_fit
     from lily.ops.moe_prefill import moe_prefill
@@ -53,7 +54,6 @@ if HAS_KERNELS:
     from lily.ops.qgemv import MAX_ROWS as QGEMV_ROWS  # the most rows the GEMV takes
     from lily.ops.qgemv import qgemv
     from lily.ops.qgemv_mma import mma_supports, qgemv_mma
-    from lily.ops.mma_rows import rows_prep
     from lily.ops.qgemv_mma_rows import MAX_ROWS as MMA_ROWS
     from lily.ops.qgemv_mma_rows import qgemv_mma_rows
     from lily.ops.rmsnorm import add_rmsnorm, rmsnorm
@@ -83,8 +83,9 @@ ROWS_MMA = True
 # of the GEMV (each program of the lm_head's 7,760 re-made B rows). Compile-only (sm_90,
 # docs/notes/batching.md, eighth session): a DeltaNet projection program's instructions
 # 2,994 -> 1,532 a thread at 8 rows (2,147 -> 1,518 at 4), as many a code as the one-row
-# GEMV's; on for that, to be confirmed on the H200 by rows_timeline's no_rows_prep variant.
-ROWS_PREP = True
+# GEMV's. The H200 could not be reached in the eighth session: off until rows_timeline's
+# rows_prep variant has measured it there.
+ROWS_PREP = False
 
 
 def rows_mma(x: Tensor, w: Weight, k: Kernels) -> bool:

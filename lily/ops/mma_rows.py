@@ -6,9 +6,9 @@ batched MoE decode (lily/ops/moe_decode_rows.py) multiplies with it.
 
 Rows hold bf16-exact values (bf16 activations, or h rounded to bf16): one bf16 term a row.
 
-Fewer rows than columns (B = 2 or 4 of 8): the operand is built for pow2(B) rows and
+Fewer rows than columns (B = 2 or 4 of 8): the operand can be built for pow2(B) rows and
 broadcast over the columns (``to_columns``), as the one-row GEMV broadcasts its row; the
-work before the MMA scales with the rows, not the columns. A prepared operand
+work before the MMA then scales with the rows, not the columns. A prepared operand
 (``rows_prep``, its own launch) holds the rows normed, rounded and in the codes' K order
 with their group sums, so each program of the GEMV only loads it (``rows_prepped``) where it
 would otherwise norm and permute every row itself.

@@ -44,6 +44,11 @@ from lily.quant import QuantWeight
 Tensor = torch.Tensor
 
 MAX_ROWS = 16  # rows one call takes (the MMA's columns: 8 or 16)
+# The operand built on pow2(B) rows by default (else on all the MMA's columns, as measured
+# on the H200 through the seventh session). Compile-only (sm_90) a program's instructions
+# fall 2,994 -> 1,710 at 2 rows (docs/notes/batching.md, eighth session); CPU-tested, but
+# the H200 could not be reached in the eighth session: off until it has run there.
+OPERAND_POW2 = False
 _SMS = 132  # H200; only the tile table uses it
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -150,8 +155,8 @@ def qgemv_mma_rows(
     (default bf16; fp32 for the lm_head). ``config``: the tile (default ``mma_rows_config``).
     ``pdl``: programmatic dependent launch (Hopper; ignored elsewhere). ``operand_rows``:
     the rows each program builds the operand for (a power of two from B to the MMA's
-    columns; default pow2(B)). Each row's result is qgemv_mma's of that row alone up to fp32
-    rounding.
+    columns; default pow2(B) with OPERAND_POW2, else the columns). Each row's result is
+    qgemv_mma's of that row alone up to fp32 rounding.
     """
     name = "qgemv_mma_rows"
     check_weight(w, f"{name}: w", 2)
@@ -181,7 +186,9 @@ def qgemv_mma_rows(
     if not mma_supports(w):
         raise ValueError(f"{name}: qweight rows must start on 16-byte boundaries")
     columns = 8 if b <= 8 else 16
-    xr = pow2(b) if prep or operand_rows is None else operand_rows
+    if operand_rows is None:
+        operand_rows = pow2(b) if OPERAND_POW2 else columns
+    xr = pow2(b) if prep else operand_rows
     if xr < b or xr > columns or xr & (xr - 1):
         raise ValueError(f"{name}: operand_rows must be a power of two from {b} to {columns}, "
                          f"got {operand_rows}")  # fmt: skip

@@ -38,7 +38,7 @@ def test_the_sweep_and_the_paths():
 
     assert [o[0] for o in ops(4, True)] == [
         "qgemv_mma_rows", "rmsnorm+qgemv_mma_rows", "rows_prep+qgemv_mma_rows",
-        "qgemv_mma_rows operand8", "qgemv_mma_rows prepared", "qgemv", "qgemm",
+        "qgemv_mma_rows pow2", "qgemv_mma_rows prepared", "qgemv", "qgemm",
         "qgemv_mma x B"]  # fmt: skip
     assert [o[0] for o in ops(16, False)] == ["qgemv_mma_rows", "qgemv_mma_rows prepared",
                                               "qgemm", "qgemv_mma x B"]  # fmt: skip

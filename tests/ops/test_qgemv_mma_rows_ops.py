@@ -51,12 +51,11 @@ CASES = {
 
 
 @pytest.mark.parametrize(("case", "how"), [
-    (c, how) for c in CASES for how in ("fused", "prepared", "operand8")
-    if how != "operand8" or CASES[c][3] <= 8])  # fmt: skip
+    (c, how) for c in CASES for how in ("default", "pow2", "prepared")])  # fmt: skip
 def test_rows_match_reference_and_each_row_alone(poison, case, how):
     """Each row against the reference and against qgemv_mma of that row alone: the rows
-    normed in each program on pow2(B) rows (``fused``), prepared once by rows_prep
-    (``prepared``), or built on all 8 columns (``operand8``, B <= 8)."""
+    normed in each program on the default operand (``default``), on pow2(B) rows broadcast
+    over the columns (``pow2``), or prepared once by rows_prep (``prepared``)."""
     n, k, gs, b, norm, has_res, out_dtype, cfg = CASES[case]
     gen = torch.Generator().manual_seed(n + k + b)
     w = _weight(n, k, gs, gen)
@@ -68,7 +67,7 @@ def test_rows_match_reference_and_each_row_alone(poison, case, how):
         xp = rows_prep(x, gs, nw, EPS)
         y = qgemv_mma_rows(xp, w, res, out_dtype=out_dtype, config=cfg)
     else:
-        rows = 8 if how == "operand8" else None
+        rows = (1 << max(0, b - 1).bit_length()) if how == "pow2" else None
         y = qgemv_mma_rows(x, w, res, out_dtype=out_dtype, norm_weight=nw, eps=EPS, config=cfg,
                            operand_rows=rows)  # fmt: skip
     assert y.shape == (b, n) and y.dtype == out_dtype

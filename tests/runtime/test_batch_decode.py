@@ -195,8 +195,9 @@ def test_model_rows_on_the_kernels_equal_each_row_alone(monkeypatch, rows_moe, r
     monkeypatch.setattr(model_ops, "ROWS_PREP", rows_prep)
     preps = []
     real_prep = model_ops.rows_prep
-    monkeypatch.setattr(model_ops, "rows_prep",
-                        lambda x, *a, **k: preps.append(len(x)) or real_prep(x, *a, **k))
+    monkeypatch.setattr(
+        model_ops, "rows_prep", lambda x, *a, **k: preps.append(len(x)) or real_prep(x, *a, **k)
+    )
     mma_rows = []
     real_mma = model_ops.qgemv_mma_rows
     monkeypatch.setattr(

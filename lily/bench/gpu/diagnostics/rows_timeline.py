@@ -26,8 +26,13 @@ from lily.bench.gpu.diagnostics.decode_timeline import print_timeline, timeline
 from lily.bench.gpu.full_model import full_params, kernel_engine, write_json
 from lily.bench.measure import pseudo_text_ids, replay_ms
 
-SWITCHES = {"current": {}, "no_rows_mma": {"ROWS_MMA": False}, "rows_moe": {"ROWS_MOE": True},
-            "rows_prep": {"ROWS_PREP": True}, "no_rows_prep": {"ROWS_PREP": False}}
+SWITCHES = {
+    "current": {},
+    "no_rows_mma": {"ROWS_MMA": False},
+    "rows_moe": {"ROWS_MOE": True},
+    "rows_prep": {"ROWS_PREP": True},
+    "no_rows_prep": {"ROWS_PREP": False},
+}
 
 
 @contextlib.contextmanager

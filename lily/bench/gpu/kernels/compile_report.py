@@ -33,11 +33,11 @@ from lily.bench.gpu.kernels.common import (
     cuobjdump,
     zero_qweight,
 )
+from lily.ops.mma_rows import rows_prep
 from lily.ops.moe_decode import MoeDecodeConfig, moe_decode
 from lily.ops.moe_prefill import moe_prefill, moe_prefill_config
 from lily.ops.qgemm import gemm_config, qgemm
 from lily.ops.qgemv import gemv_config, qgemv
-from lily.ops.mma_rows import rows_prep
 from lily.ops.qgemv_mma import mma_gemv_config, qgemv_mma
 from lily.ops.qgemv_mma_rows import qgemv_mma_rows
 
@@ -161,14 +161,13 @@ def compile_report(only: set[str], sweeps: Sweeps, sass_dir: str | None = None) 
                 for b in (2, 4, 8):
                     xb = torch.zeros(b, k, dtype=BF16)
                     res = torch.zeros(b, n, dtype=BF16) if not norm else None
-                    for form, call in (
-                        ("operand8", lambda: qgemv_mma_rows(xb, wr, res, operand_rows=8, **kw)),
-                        ("pow2(B)", lambda: qgemv_mma_rows(xb, wr, res, **kw)),
-                        ("rows_prep", lambda: qgemv_mma_rows(rows_prep(xb, 64, kw.get(
-                            "norm_weight")), wr, res)),
-                    ):  # fmt: skip
+                    for form in ("operand8", "pow2(B)", "rows_prep"):
                         launches.append(f"{name} B={b} {form}")
-                        call()
+                        if form == "rows_prep":
+                            qgemv_mma_rows(rows_prep(xb, 64, kw.get("norm_weight")), wr, res)
+                        else:
+                            rows = 8 if form == "operand8" else b
+                            qgemv_mma_rows(xb, wr, res, operand_rows=rows, **kw)
     finally:
         JITFunction.__getitem__, Launched.launch = real_getitem, real_launch
 

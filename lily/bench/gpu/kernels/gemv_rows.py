@@ -16,10 +16,11 @@ lm_head with the final norm and fp32 logits. Per shape and B, paths:
 - ``qgemv`` (B <= 8): what the batched step ran for 2-8 rows before ROWS_MMA (FMA GEMV,
   PDL); ``qgemm``: what it ran above 8 rows (rmsnorm launch, GEMM, the residual after);
 - ``qgemv_mma x B``: B one-row tensor-core GEMVs in a row (B = 1: the single-sequence step);
-- ``qgemv_mma_rows operand8`` (B <= 4): the operand built on all 8 columns, as before it
-  was built on pow2(B) rows; ``rows_prep+qgemv_mma_rows``: the rows prepared by their own
-  launch (normed, K order, sums), each program only loading them; ``qgemv_mma_rows
-  prepared``: the same GEMV with the preparation made once outside the timing (its bound).
+- ``qgemv_mma_rows pow2`` (B <= 4): the operand built on pow2(B) rows and broadcast over
+  the 8 columns (the default with OPERAND_POW2, lily/ops/qgemv_mma_rows.py);
+  ``rows_prep+qgemv_mma_rows``: the rows prepared by their own launch (normed, K order,
+  sums), each program only loading them; ``qgemv_mma_rows prepared``: the same GEMV with
+  the preparation made once outside the timing (its bound).
 ``--variants``: qgemv_mma_rows also on the tiles of SWEEP (BLOCK_N 16/32/64 x warps
 4/8/16; the lm_head's as rmsnorm+qgemv_mma_rows, as the batched step runs it), a tile the
 compile matrix would reject on this GPU (lily/ops/matrix.py: registers, spills past its
@@ -48,6 +49,7 @@ from functools import partial
 
 import torch
 
+import lily.model.ops as model_ops
 from lily.bench.gpu.kernels.common import (
     BF16,
     DEV,
@@ -64,13 +66,13 @@ from lily.bench.gpu.kernels.common import (
     weight_copies,
     write_json,
 )
-import lily.model.ops as model_ops
 from lily.bench.measure import attempt
 from lily.model.norm import rms_norm
 from lily.model.ref import ref_qlinear
+from lily.ops.launch import pow2
+from lily.ops.mma_rows import rows_prep
 from lily.ops.qgemm import qgemm
 from lily.ops.qgemv import qgemv
-from lily.ops.mma_rows import rows_prep
 from lily.ops.qgemv_mma import MmaGemvConfig, qgemv_mma
 from lily.ops.qgemv_mma_rows import mma_rows_config, qgemv_mma_rows
 from lily.ops.rmsnorm import rmsnorm
@@ -140,9 +142,9 @@ def paths(b: int, norm: bool, out_dtype, variants: list | tuple = (), sweep_only
                                       else res[r], out_dtype=out_dtype, pdl=True, **pro)
                             for r in range(len(x))])  # fmt: skip
 
-    def rows8(x, w, nw, res):
+    def rows_pow2(x, w, nw, res):
         return qgemv_mma_rows(x, w, res, out_dtype=out_dtype, norm_weight=nw, eps=EPS,
-                              pdl=True, operand_rows=8)  # fmt: skip
+                              pdl=True, operand_rows=pow2(len(x)))  # fmt: skip
 
     def prep(x, w, nw, res, cfg=None):
         return qgemv_mma_rows(rows_prep(x, w.group_size, nw, EPS, pdl=True), w, res,
@@ -164,7 +166,7 @@ def paths(b: int, norm: bool, out_dtype, variants: list | tuple = (), sweep_only
         out.append(("rows_prep+qgemv_mma_rows", "table", prep, None))
     if not sweep_only:
         if b <= 4:  # (from 5 rows pow2(B) is the 8 columns)
-            out.append(("qgemv_mma_rows operand8", "table", rows8, None))
+            out.append(("qgemv_mma_rows pow2", "table", rows_pow2, None))
         out.append(("qgemv_mma_rows prepared", "table", prepared, None))
     out += [(op, cfg_str(cfg), partial(calls[op], cfg=cfg), cfg) for cfg in variants]
     if sweep_only:
