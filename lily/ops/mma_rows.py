@@ -169,6 +169,8 @@ def rows_prep(x: Tensor, group: int, norm_weight: Tensor | None = None, eps: flo
     if x.dtype != torch.bfloat16 or x.dim() != 2:
         raise ValueError(f"{name}: x must be (B, K) bf16, got {tuple(x.shape)} {x.dtype}")
     b, k = x.shape
+    if not 1 <= b <= 16:
+        raise ValueError(f"{name}: x must have 1 to 16 rows (the MMA's columns), got {b}")
     if group not in (32, 64, 128) or k % group:
         raise ValueError(f"{name}: K = {k} is not whole groups of 32, 64 or 128 (got {group})")
     x = x if x.stride(1) == 1 else x.contiguous()

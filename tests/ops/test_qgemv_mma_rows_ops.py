@@ -144,6 +144,8 @@ def test_rows_reject_what_they_do_not_run():
         rows_prep(x[:, :100], 64)
     with pytest.raises(ValueError, match="bf16"):
         rows_prep(x.float(), 64)
+    with pytest.raises(ValueError, match="1 to 16 rows"):
+        rows_prep(torch.zeros(MAX_ROWS + 1, 128, dtype=BF16, device=DEV), 64)
 
 
 def test_prepared_rows_are_the_normed_rows():
