@@ -183,7 +183,7 @@ def _rows(cfg: ModelConfig, dtype: torch.dtype, runner, arch: Arch, note) -> Non
         for b in range(2, MAX_ROWS + 1):
             with record_launches() as rec:
                 runner.decode_rows([0] * b, states(b, lengths[-1]))
-            note(f"decode rows B={b} context {lengths[-1]}, ROWS_MOE ROWS_PREP", rec)
+            note(f"decode rows B={b} context {lengths[-1]}, ROWS_PREP OPERAND_POW2 ROWS_MOE", rec)
     finally:
         (model_ops.ROWS_MOE, model_ops.ROWS_MMA, model_ops.ROWS_PREP,
          rows_mod.OPERAND_POW2) = default  # fmt: skip
