@@ -274,9 +274,10 @@ def head(x: Tensor, norm_w: Tensor, w: Weight, eps: float, k: Kernels | None) ->
     if k is None:
         return ref_linear(rms_norm(x, norm_w, eps), w).float()
     one_mma = k.mma and x.shape[0] == 1 and isinstance(w, QuantWeight) and mma_supports(w)
-    if k.step and isinstance(w, QuantWeight) and not (one_mma or rows_mma(x, w, k)):
-        return linear(x, w, k, out_dtype=torch.float32, norm_weight=norm_w, eps=eps)
-    if ROWS_PREP and k.step and rows_mma(x, w, k):  # the norm in the rows' preparation
+    rows = rows_mma(x, w, k)
+    # The norm rides with the GEMV off the tensor cores, and with ROWS_PREP in the rows'
+    # preparation.
+    if k.step and isinstance(w, QuantWeight) and (rows and ROWS_PREP or not (one_mma or rows)):
         return linear(x, w, k, out_dtype=torch.float32, norm_weight=norm_w, eps=eps)
     # On the tensor cores the norm gets its own launch: in the GEMV's prologue each of
     # ~7,800 programs redid it (95 against 89 us), and the rows' GEMV would redo B rows.

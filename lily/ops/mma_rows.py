@@ -25,7 +25,7 @@ import triton.language as tl
 from lily.ops.launch import launched, pdl_launch, pow2, use_pdl
 from lily.ops.norm_rope import sigmoid
 from lily.ops.qgemv import pdl_wait
-from lily.ops.qgemv_mma import as_term, mma_codes, mma_tile
+from lily.ops.qgemv_mma import as_term, mma_codes, mma_tile, mma_x_row
 from lily.ops.rmsnorm import check_norm, norm_x
 
 Tensor = torch.Tensor
@@ -126,15 +126,10 @@ def _rows_prep_kernel(p_x, p_nw, p_op, p_sum, B, stride_xt, eps, XR: tl.constexp
     r = tl.program_id(0)
     pdl_wait(PDL)
     o_k = tl.arange(0, G * GROUP)
-    m_k = o_k < NG * GROUP
-    b_x = tl.load(p_x + r * stride_xt + o_k, mask=m_k & (r < B), other=0.0)
-    if HAS_NORM:
-        b_nw = tl.load(p_nw + o_k, mask=m_k, other=0.0)
-        b_xf = b_x.to(tl.float32)
-        rstd = 1.0 / tl.sqrt_rn(tl.sum(b_xf * b_xf, axis=0) / (NG * GROUP) + eps)
-        b_xn = norm_x(b_x, b_nw, rstd, True, ON_CPU)
-    else:
-        b_xn = b_x.to(tl.float32)
+    # (a padding row reads row B - 1 and is zeroed: no NaN of a real row reaches it)
+    b_xn = mma_x_row(p_x + tl.minimum(r, B - 1) * stride_xt, p_nw, eps, NG, G, GROUP,
+                     HAS_NORM, NG == G, ON_CPU)  # fmt: skip
+    b_xn = tl.where(r < B, b_xn, 0.0)
     o_g = tl.arange(0, G)
     tl.store(p_sum + o_g * XR + r, tl.sum(tl.reshape(b_xn, (G, GROUP)), axis=1))
     kk = k_order(o_k % GROUP, GROUP // 32)
@@ -144,13 +139,16 @@ def _rows_prep_kernel(p_x, p_nw, p_op, p_sum, B, stride_xt, eps, XR: tl.constexp
 @dataclass(frozen=True)
 class RowsOperand:
     """B rows of x prepared for the rows GEMV (``rows_prep``): ``op`` (G, GROUP, XR) bf16
-    in the codes' K order, ``sums`` (G, XR) fp32, for K = ``k`` in groups of ``group``."""
+    in the codes' K order, ``sums`` (G, XR) fp32, for K = ``k`` (G groups, pow2 of K's)."""
 
     op: Tensor
     sums: Tensor
     rows: int
     k: int
-    group: int
+
+    @property
+    def group(self) -> int:
+        return self.op.shape[1]
 
     @property
     def device(self) -> torch.device:
@@ -187,7 +185,7 @@ def rows_prep(x: Tensor, group: int, norm_weight: Tensor | None = None, eps: flo
         XR=xr, GROUP=group, NG=ng, G=g, HAS_NORM=norm_weight is not None,
         ON_CPU=x.device.type == "cpu", PDL=pdl, num_warps=4, **pdl_launch(pdl),
     )  # fmt: skip
-    return RowsOperand(op, sums, b, k, group)
+    return RowsOperand(op, sums, b, k)
 
 
 @triton.jit

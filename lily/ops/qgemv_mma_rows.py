@@ -186,12 +186,13 @@ def qgemv_mma_rows(
     if not mma_supports(w):
         raise ValueError(f"{name}: qweight rows must start on 16-byte boundaries")
     columns = 8 if b <= 8 else 16
-    if operand_rows is None:
-        operand_rows = pow2(b) if OPERAND_POW2 else columns
-    xr = pow2(b) if prep else operand_rows
-    if xr < b or xr > columns or xr & (xr - 1):
-        raise ValueError(f"{name}: operand_rows must be a power of two from {b} to {columns}, "
-                         f"got {operand_rows}")  # fmt: skip
+    if prep:
+        xr = x.op.shape[2]  # (rows_prep's pow2(B))
+    else:
+        xr = operand_rows if operand_rows is not None else (pow2(b) if OPERAND_POW2 else columns)
+        if xr < b or xr > columns or xr & (xr - 1):
+            raise ValueError(f"{name}: operand_rows must be a power of two from {b} to "
+                             f"{columns}, got {operand_rows}")  # fmt: skip
     dev = w.device
     if norm_weight is not None:
         norm_weight = check_norm(norm_weight, k, name, dev)
