@@ -78,14 +78,20 @@ GEMV_ROWS_BF16 = 2
 ROWS_MMA = True
 
 
-# A batched step's normed projections (and the lm_head) with their rows prepared once
-# (rows_prep: normed, in the MMA's K order, one launch) instead of normed by every program
-# of the GEMV (each program of the lm_head's 7,760 re-made B rows). Compile-only (sm_90,
-# docs/notes/batching.md, eighth session): a DeltaNet projection program's instructions
-# 2,994 -> 1,532 a thread at 8 rows (2,147 -> 1,518 at 4), as many a code as the one-row
-# GEMV's. The H200 could not be reached in the eighth session: off until rows_timeline's
-# rows_prep variant has measured it there.
+# A batched step's normed projections with their rows prepared once (rows_prep: normed, in
+# the MMA's K order, one launch) instead of normed by every program of the GEMV.
+# Compile-only (sm_90, docs/notes/batching.md, eighth session) a DeltaNet projection
+# program's instructions fall 2,994 -> 1,532 a thread at 8 rows, but the preparation is one
+# more launch on the chain: measured (H100, ninth session, rows_timeline at 4K) the step
+# went 3.214 -> 3.176 ms at 4 rows and 4.881 -> 4.976 at 8, and with the operand on pow2(B)
+# rows (OPERAND_POW2) the GEMV gets most of the saving without the launch. Off.
 ROWS_PREP = False
+
+# The lm_head of a batched step on prepared rows: there the preparation replaces the
+# rmsnorm launch the head had anyway, and each of its ~7,800 programs only loads the
+# operand. Measured (H100, ninth session, kernels.gemv_rows, 2 rows): 169 us with the
+# rmsnorm launch (220 with the norm in every program) -> 120.
+ROWS_PREP_HEAD = True
 
 
 def rows_mma(x: Tensor, w: Weight, k: Kernels) -> bool:
@@ -197,11 +203,13 @@ def embed(ids: Tensor, w: Weight, dtype: torch.dtype, k: Kernels | None) -> Tens
 
 
 def linear(x: Tensor, w: Weight, k: Kernels | None, residual: Tensor | None = None,
-           out_dtype: torch.dtype | None = None, **prologue) -> Tensor:  # fmt: skip
+           out_dtype: torch.dtype | None = None, prep: bool | None = None,
+           **prologue) -> Tensor:  # fmt: skip
     """``residual + x @ w.T`` for x (T, K), in ``out_dtype`` (default x's). Kernels: the
     GEMV for a few rows of a packed weight (on the tensor cores with ``mma``; ``prologue``
-    keywords ``norm_weight``, ``eps`` put an RMSNorm of x in its prologue), the fused-dequant
-    GEMM for more, cuBLAS for a dense weight."""
+    keywords ``norm_weight``, ``eps`` put an RMSNorm of x in its prologue, or with ``prep``
+    (None: ROWS_PREP) a batched step's rows prepared by rows_prep), the fused-dequant GEMM
+    for more, cuBLAS for a dense weight."""
     if k is None:
         y = ref_linear(rms_norm(x, prologue["norm_weight"], prologue["eps"]) if prologue else x, w)
         if out_dtype is not None:
@@ -209,7 +217,7 @@ def linear(x: Tensor, w: Weight, k: Kernels | None, residual: Tensor | None = No
         return y if residual is None else y + residual
     if isinstance(w, QuantWeight):
         if rows_mma(x, w, k):
-            if ROWS_PREP and prologue:
+            if prologue and (ROWS_PREP if prep is None else prep):
                 x = rows_prep(x, w.group_size, prologue["norm_weight"], prologue["eps"],
                               pdl=k.pdl)  # fmt: skip
                 prologue = {}
@@ -275,10 +283,12 @@ def head(x: Tensor, norm_w: Tensor, w: Weight, eps: float, k: Kernels | None) ->
         return ref_linear(rms_norm(x, norm_w, eps), w).float()
     one_mma = k.mma and x.shape[0] == 1 and isinstance(w, QuantWeight) and mma_supports(w)
     rows = rows_mma(x, w, k)
-    # The norm rides with the GEMV off the tensor cores, and with ROWS_PREP in the rows'
-    # preparation.
-    if k.step and isinstance(w, QuantWeight) and (rows and ROWS_PREP or not (one_mma or rows)):
-        return linear(x, w, k, out_dtype=torch.float32, norm_weight=norm_w, eps=eps)
+    # The norm rides with the GEMV off the tensor cores, and with ROWS_PREP_HEAD in the
+    # rows' preparation.
+    if k.step and isinstance(w, QuantWeight) and (rows and ROWS_PREP_HEAD
+                                                  or not (one_mma or rows)):  # fmt: skip
+        return linear(x, w, k, out_dtype=torch.float32, prep=ROWS_PREP_HEAD, norm_weight=norm_w,
+                      eps=eps)  # fmt: skip
     # On the tensor cores the norm gets its own launch: in the GEMV's prologue each of
     # ~7,800 programs redid it (95 against 89 us), and the rows' GEMV would redo B rows.
     return linear(rmsnorm(x, norm_w, eps), w, k, out_dtype=torch.float32)

@@ -171,19 +171,20 @@ def _rows(cfg: ModelConfig, dtype: torch.dtype, runner, arch: Arch, note) -> Non
         note(f"decode rows B={b} context {lengths[-1]}", rec)
     # The batched kernels behind the engine's switches (lily/model/ops.py: ROWS_MOE, the
     # MoE's; ROWS_MMA, the projections' and the head's; ROWS_PREP, their normed rows
-    # prepared; lily/ops/qgemv_mma_rows.py OPERAND_POW2, the others' operand on pow2(B)).
+    # prepared; lily/ops/qgemv_mma_rows.py OPERAND_POW2, the others' operand on pow2(B),
+    # on by default: the switched pass builds it on all the MMA's columns).
     import lily.model.ops as model_ops
     import lily.ops.qgemv_mma_rows as rows_mod
 
     default = (model_ops.ROWS_MOE, model_ops.ROWS_MMA, model_ops.ROWS_PREP,
                rows_mod.OPERAND_POW2)  # fmt: skip
     model_ops.ROWS_MOE = model_ops.ROWS_MMA = model_ops.ROWS_PREP = True
-    rows_mod.OPERAND_POW2 = True
+    rows_mod.OPERAND_POW2 = False
     try:
         for b in range(2, MAX_ROWS + 1):
             with record_launches() as rec:
                 runner.decode_rows([0] * b, states(b, lengths[-1]))
-            note(f"decode rows B={b} context {lengths[-1]}, ROWS_PREP OPERAND_POW2 ROWS_MOE", rec)
+            note(f"decode rows B={b} context {lengths[-1]}, ROWS_PREP operand8 ROWS_MOE", rec)
     finally:
         (model_ops.ROWS_MOE, model_ops.ROWS_MMA, model_ops.ROWS_PREP,
          rows_mod.OPERAND_POW2) = default  # fmt: skip

@@ -44,11 +44,12 @@ from lily.quant import QuantWeight
 Tensor = torch.Tensor
 
 MAX_ROWS = 16  # rows one call takes (the MMA's columns: 8 or 16)
-# The operand built on pow2(B) rows by default (else on all the MMA's columns, as measured
-# on the H200 through the seventh session). Compile-only (sm_90) a program's instructions
-# fall 2,994 -> 1,710 at 2 rows (docs/notes/batching.md, eighth session); CPU-tested, but
-# the H200 could not be reached in the eighth session: off until it has run there.
-OPERAND_POW2 = False
+# The operand built on pow2(B) rows by default (else on all the MMA's columns, as through
+# the seventh session). Compile-only (sm_90) a program's instructions fall 2,994 -> 1,710 at
+# 2 rows; measured (H100, ninth session, bench/results/gemv_rows_h100_s9.json, us): attention
+# q|k|v 12.6 -> 6.8 at 2 rows and 12.5 -> 9.8 at 4, the DeltaNet projection 13.6 -> 11.7 at
+# 4, o_proj 5.8 -> 4.5 at 2; at 5 rows and more pow2(B) is the 8 columns (no change).
+OPERAND_POW2 = True
 _SMS = 132  # H200; only the tile table uses it
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

@@ -150,7 +150,9 @@ def test_rows_reject_what_they_do_not_run():
 
 def test_prepared_rows_are_the_normed_rows():
     """rows_prep's operand holds each normed row's values (a permutation within each
-    group, rows past B zero) and its sums are the groups' sums of the normed row."""
+    group, rows past B zero) and its sums are the groups' sums of the normed row. (To a bf16
+    rounding: the kernel's sum of squares runs in another order than torch's, so on the GPU
+    a value can land one bf16 step away.)"""
     gen = torch.Generator().manual_seed(11)
     b, k, gs = 3, 320, 64  # 5 groups, padded to 8
     x = (2.0 * torch.randn(b, k, generator=gen)).bfloat16().to(DEV)
@@ -161,9 +163,12 @@ def test_prepared_rows_are_the_normed_rows():
     op = p.op.float().cpu()
     for r in range(b):
         got = op[:5, :, r]
-        assert torch.equal(got.sort(dim=1).values, h[r].sort(dim=1).values), r
+        torch.testing.assert_close(
+            got.sort(dim=1).values, h[r].sort(dim=1).values, rtol=2**-7, atol=2**-8, msg=f"row {r}"
+        )
         assert not torch.equal(got, h[r])  # the K order is not memory order
-        torch.testing.assert_close(p.sums[:5, r].cpu(), h[r].sum(dim=1), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(p.sums[:5, r].cpu(), got.sum(dim=1), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(p.sums[:5, r].cpu(), h[r].sum(dim=1), rtol=1e-2, atol=1e-2)
     assert not op[5:].any() and not op[:, :, b:].any() and not p.sums.cpu()[5:].any()
 
 

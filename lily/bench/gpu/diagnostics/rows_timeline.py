@@ -22,6 +22,7 @@ import time
 import torch
 
 import lily.model.ops as ops_mod
+import lily.ops.qgemv_mma_rows as rows_mod
 from lily.bench.gpu.diagnostics.decode_timeline import print_timeline, timeline
 from lily.bench.gpu.full_model import full_params, kernel_engine, write_json
 from lily.bench.measure import pseudo_text_ids, replay_ms
@@ -32,7 +33,14 @@ SWITCHES = {
     "rows_moe": {"ROWS_MOE": True},
     "rows_prep": {"ROWS_PREP": True},
     "no_rows_prep": {"ROWS_PREP": False},
+    "no_head_prep": {"ROWS_PREP_HEAD": False},
+    "no_pow2": {"OPERAND_POW2": False},
 }
+
+
+def _owner(name: str):
+    """The module that holds switch ``name`` (lily/model/ops.py, else the rows' GEMV's)."""
+    return ops_mod if hasattr(ops_mod, name) else rows_mod
 
 
 @contextlib.contextmanager
@@ -40,15 +48,15 @@ def switched(name: str, runner):
     """lily/model/ops.py's switches of variant ``name`` while measuring (graphs rebuilt)."""
     if name not in SWITCHES:
         raise SystemExit(f"unknown variant {name!r}: one of {', '.join(SWITCHES)}")
-    old = {k: getattr(ops_mod, k) for k in SWITCHES[name]}
+    old = {k: getattr(_owner(k), k) for k in SWITCHES[name]}
     for k, v in SWITCHES[name].items():
-        setattr(ops_mod, k, v)
+        setattr(_owner(k), k, v)
     runner.graphs.clear()
     try:
         yield
     finally:
         for k, v in old.items():
-            setattr(ops_mod, k, v)
+            setattr(_owner(k), k, v)
         runner.graphs.clear()
 
 
