@@ -1,0 +1,46 @@
+"""rows_timeline's variants on the CPU: each sets the engine's switches where they live (the
+model's ops, or the rows' GEMV for OPERAND_POW2), drops the captured graphs, and puts
+everything back afterwards, also when the measurement fails."""
+
+from __future__ import annotations
+
+import pytest
+
+import lily.model.ops as model_ops
+import lily.ops.qgemv_mma_rows as rows_mod
+from lily.bench.gpu.diagnostics import rows_timeline
+
+
+class _Runner:
+    def __init__(self) -> None:
+        self.graphs = {"B=4": object()}
+
+
+def test_every_variant_names_a_real_switch():
+    for name, switches in rows_timeline.SWITCHES.items():
+        for key in switches:
+            owner = rows_timeline._owner(key)
+            assert hasattr(owner, key), (name, key)
+
+
+def test_a_variant_switches_and_restores(monkeypatch):
+    monkeypatch.setattr(rows_mod, "OPERAND_POW2", True)
+    monkeypatch.setattr(model_ops, "ROWS_PREP_HEAD", True)
+    runner = _Runner()
+    with rows_timeline.switched("no_pow2", runner):
+        assert rows_mod.OPERAND_POW2 is False
+        assert model_ops.ROWS_PREP_HEAD is True
+        assert runner.graphs == {}
+        assert not hasattr(model_ops, "OPERAND_POW2")  # set where the GEMV reads it
+        runner.graphs["B=4"] = object()
+    assert rows_mod.OPERAND_POW2 is True and runner.graphs == {}
+    with pytest.raises(RuntimeError), rows_timeline.switched("no_head_prep", runner):
+        assert model_ops.ROWS_PREP_HEAD is False
+        raise RuntimeError("a failed measurement")
+    assert model_ops.ROWS_PREP_HEAD is True
+
+
+def test_an_unknown_variant_is_refused():
+    with pytest.raises(SystemExit, match="unknown variant 'fast'.*no_pow2"):
+        with rows_timeline.switched("fast", _Runner()):
+            pass
