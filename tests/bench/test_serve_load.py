@@ -65,6 +65,26 @@ def test_the_script_runs_on_the_cpu(tmp_path, sampled):
     assert "| 2 |" in md.read_text() and "Bars (issue 22)" in md.read_text()
 
 
+def test_a_run_cut_after_its_rounds_keeps_them(tmp_path, monkeypatch):
+    # the TTFT test fails (as a run stopped by a time limit would never reach its end): the
+    # rounds are already in --out, marked partial
+    from lily.bench import serve_load
+    from lily.bench.gpu.e2e.concurrency import main
+
+    def cut(*a, **k):
+        raise RuntimeError("stopped: the call's time limit")
+
+    monkeypatch.setattr(serve_load, "busy_ttft", cut)
+    out = tmp_path / "c.json"
+    with pytest.raises(RuntimeError, match="time limit"):
+        main(["--tiny", "--concurrency", "2", "--prompt", "12", "--max-tokens", "6",
+              "--no-warmup", "--out", str(out)])  # fmt: skip
+    res = json.loads(out.read_text())
+    assert [r["concurrency"] for r in res["rounds"]] == [2]
+    assert res["rounds"][0]["tokens"] == [6, 6] and "ttft" not in res
+    assert res["partial"].startswith("rounds only") and res["args"]["concurrency"] == "2"
+
+
 def test_every_stream_runs_in_a_client_process_of_its_own():
     # the clients must not share the server's process (and its GIL): each stream reports
     # the id of the process that streamed it

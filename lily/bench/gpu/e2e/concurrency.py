@@ -69,7 +69,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import lily.model.ops as model_ops
     from lily.bench import serve_load
-    from lily.bench.measure import env_info
     from lily.bench.random_model import model_config, random_params
     from lily.bench.source import engine_from_params
     from lily.config import EngineConfig
@@ -104,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
             for warm in passes:
                 n = min(args.max_tokens, 16) if warm else args.max_tokens
                 result = {"rounds": serve_load.rounds(load, conc, args.prompt, n)}
+                if not warm:
+                    # The rounds on disk before the TTFT test: a run cut by a time limit
+                    # keeps the throughput it measured.
+                    _write(args, device, result | {"partial": "rounds only (no TTFT yet)"})
                 result["ttft"] = serve_load.busy_ttft(
                     load, args.prompt, args.busy, args.busy_tokens, 1 if warm else args.repeats
                 )
@@ -112,13 +115,20 @@ def main(argv: list[str] | None = None) -> int:
     result["bars"] = serve_load.bars(result)
     md = serve_load.markdown(result, result["bars"])
     print(md)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"env": env_info(device), "args": vars(args), **result}, f, indent=1)
+    _write(args, device, result)
     if args.md:
         with open(args.md, "w") as f:
             f.write(md)
     return 0
+
+
+def _write(args, device: str, result: dict) -> None:
+    """The JSON of ``--out`` (none without it), with the run's environment and arguments."""
+    from lily.bench.measure import env_info
+
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"env": env_info(device), "args": vars(args), **result}, f, indent=1)
 
 
 if __name__ == "__main__":
