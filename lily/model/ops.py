@@ -169,7 +169,8 @@ def deltanet_rows_config(b: int) -> tuple[int, int]:
 @dataclass(frozen=True, slots=True)
 class Kernels:
     """How the kernels run (see the module docstring) and what they share: the DeltaNet
-    step's workspaces (one sequence, and a batched step's rows) and the RoPE frequencies."""
+    step's workspaces (one sequence, and a batched step's rows), the RoPE frequencies and
+    the MoE decode's route_once tickets (zeros, one a row, left at zero by every call)."""
 
     step: bool
     pdl: bool
@@ -177,6 +178,7 @@ class Kernels:
     workspace: DeltaNetDecodeWorkspace
     inv_freq: Tensor
     rows_workspace: DeltaNetDecodeWorkspace
+    moe_tickets: Tensor
 
     @classmethod
     def new(cls, cfg: ModelConfig, device: torch.device, step: bool, pdl: bool,
@@ -188,7 +190,8 @@ class Kernels:
         workspace = DeltaNetDecodeWorkspace.new(*heads, device)
         rows = DeltaNetDecodeWorkspace.new(*heads, device, rows=MAX_ROWS)
         inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, device)
-        return cls(step, pdl, mma, workspace, inv_freq, rows)
+        tickets = torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)
+        return cls(step, pdl, mma, workspace, inv_freq, rows, tickets)
 
 
 # ---------------------------------------------------------------- linear layers
@@ -403,9 +406,9 @@ def moe(x: Tensor, h: Tensor | None, norm_w: Tensor, m: MoEWeights, next_norm: T
         tile = moe_rows_config(x.shape[0]) if k.step else None
         if h is None:
             y = moe_decode(x, *w, top_k=top_k, residual=x, norm_weight=norm_w, eps=eps,
-                           config=tile, pdl=k.pdl)  # fmt: skip
+                           config=tile, pdl=k.pdl, tickets=k.moe_tickets)  # fmt: skip
         else:
-            y = moe_decode(h, *w, top_k=top_k, residual=x, config=tile)
+            y = moe_decode(h, *w, top_k=top_k, residual=x, config=tile, tickets=k.moe_tickets)
         return y, None
     if h is None:  # no op before made the norm
         h = rmsnorm(x, norm_w, eps)

@@ -116,6 +116,26 @@ def rows_prepped(p_op, p_sum, G: tl.constexpr, GROUP: tl.constexpr, XR: tl.const
     return to_columns(b_xb, b_xs, NC)
 
 
+@triton.jit
+def row_prepped(p_op, p_sum, G: tl.constexpr, GROUP: tl.constexpr, W: tl.constexpr,
+                ON_CPU: tl.constexpr):  # fmt: skip
+    """One prepared row (XR = 1) as qgemv_mma's ``mma_x`` gives one bf16 row: the operand
+    over the MMA's 8 columns (G, GROUP, 8) and the group sums (G,)."""
+    b_xb, b_xs = rows_prepped(p_op, p_sum, G, GROUP, 1, W, 1, ON_CPU)
+    return tl.broadcast_to(b_xb, (G, GROUP, 8)), tl.reshape(b_xs, (G,))
+
+
+@triton.jit
+def prep_store(b_xn, p_op, p_sum, r, XR: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr):
+    """Row r of a prepared operand of XR rows from the row (G * GROUP,) fp32 of bf16-exact
+    values in memory order: its group sums, its values scattered into the K order."""
+    o_k = tl.arange(0, G * GROUP)
+    o_g = tl.arange(0, G)
+    tl.store(p_sum + o_g * XR + r, tl.sum(tl.reshape(b_xn, (G, GROUP)), axis=1))
+    kk = k_order(o_k % GROUP, GROUP // 32)
+    tl.store(p_op + ((o_k // GROUP) * GROUP + kk) * XR + r, b_xn.to(p_op.dtype.element_ty))
+
+
 @launched
 @triton.jit(do_not_specialize=["B"])
 def _rows_prep_kernel(p_x, p_nw, p_op, p_sum, B, stride_xt, eps, XR: tl.constexpr,
@@ -125,15 +145,11 @@ def _rows_prep_kernel(p_x, p_nw, p_op, p_sum, B, stride_xt, eps, XR: tl.constexp
     # scattered into the K order (rows past B and groups past NG: zeros).
     r = tl.program_id(0)
     pdl_wait(PDL)
-    o_k = tl.arange(0, G * GROUP)
     # (a padding row reads row B - 1 and is zeroed: no NaN of a real row reaches it)
     b_xn = mma_x_row(p_x + tl.minimum(r, B - 1) * stride_xt, p_nw, eps, NG, G, GROUP,
                      HAS_NORM, NG == G, ON_CPU)  # fmt: skip
     b_xn = tl.where(r < B, b_xn, 0.0)
-    o_g = tl.arange(0, G)
-    tl.store(p_sum + o_g * XR + r, tl.sum(tl.reshape(b_xn, (G, GROUP)), axis=1))
-    kk = k_order(o_k % GROUP, GROUP // 32)
-    tl.store(p_op + ((o_k // GROUP) * GROUP + kk) * XR + r, b_xn.to(p_op.dtype.element_ty))
+    prep_store(b_xn, p_op, p_sum, r, XR, GROUP, G)
 
 
 @dataclass(frozen=True)

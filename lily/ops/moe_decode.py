@@ -47,6 +47,7 @@ from lily.ops.moe_decode_mma import mma_fits, moe_mma_experts
 from lily.ops.moe_decode_parts import (
     down_early,
     down_finish,
+    route_once,
     row_pairs,
     row_ptrs,
     slot_expert,
@@ -92,6 +93,7 @@ def _gate_up(
 @triton.jit
 def _moe_router_kernel(
     p_x, p_nw, p_logits, p_h, stride_xt, stride_lt, stride_hb,
+    p_ids, p_wts, p_op, p_sum, p_ticket,
     p_rw, p_rs, p_rb, stride_rqn, stride_rsn,
     p_cw, p_cs, p_cb,
     p_sgw, p_sgs, p_sgb, p_suw, p_sus, p_sub, stride_sqn, stride_ssn,
@@ -100,10 +102,13 @@ def _moe_router_kernel(
     R_GROUP: tl.constexpr, R_BG: tl.constexpr, C_BITS: tl.constexpr, C_GROUP: tl.constexpr,
     C_BG: tl.constexpr, S_BN: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
     S_BG: tl.constexpr, HAS_NORM: tl.constexpr, NORM_BLOCK: tl.constexpr,
-    NORM_STEPS: tl.constexpr, ON_CPU: tl.constexpr, PDL: tl.constexpr,
+    NORM_STEPS: tl.constexpr, ROUTED: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr, NG: tl.constexpr, G: tl.constexpr, ON_CPU: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     # Weights first; with PDL, x (the previous kernel's output) only after pdl_wait.
     pid = tl.program_id(0)
+    r = tl.program_id(1)
     p_x, p_logits, p_h = row_ptrs(p_x, p_logits, p_h, stride_xt, stride_lt, stride_hb)
     # NOTE: each branch names its own tensors: the compiler (unlike the interpreter) wants a
     # variable assigned in two run-time branches to have one type.
@@ -116,6 +121,11 @@ def _moe_router_kernel(
             NORM_STEPS, ON_CPU, PDL,
         )  # fmt: skip
         tl.store(p_logits + o_r[None, :], b_r, mask=(o_r < E)[None, :])
+        if ROUTED:
+            p_ids, p_wts = row_pairs(p_ids, p_wts, TOP_K)
+            route_once(p_x, p_nw, eps, p_logits, p_ids, p_wts, p_op + r * (G * GROUP),
+                       p_sum + r * G, p_ticket + r, E, R_PROGS, TOP_K, BLOCK_K, BLOCK_E, GROUP,
+                       NG, G, HAS_NORM, ON_CPU)  # fmt: skip
     elif pid == R_PROGS:
         # The shared expert's gate (one row) -> logits[E].
         o_c = tl.arange(0, 2)
@@ -284,6 +294,10 @@ class MoeDecodeConfig:
     are 4-bit with 16-byte rows, with mma_rows rows a program (16, 32 or 64) on mma_warps
     warps (they split K), the down launch with mma_down_rows on mma_down_warps (None: the
     same; its grid is D / rows against gate/up's k * I / rows); else the FMA kernels.
+    route_once (tensor-core path, bf16 x): the router launch's last router program of each
+    row takes the row's top-k and writes x' as a prepared operand, so the gate/up programs
+    read their expert and x' instead of each sorting the E logits and norming and permuting
+    x (``moe_decode_parts.route_once``); the ticket it takes sits on the chain.
     """
 
     router_rows: int = 4
@@ -297,6 +311,7 @@ class MoeDecodeConfig:
     mma_warps: int = 8
     mma_down_rows: int | None = None
     mma_down_warps: int | None = None
+    route_once: bool = False
 
     def __post_init__(self) -> None:
         for name in ("router_rows", "shared_rows", "gate_up_rows", "down_rows", "num_warps",
@@ -332,6 +347,7 @@ def moe_decode(
     eps: float = 1e-6,
     config: MoeDecodeConfig | None = None,
     pdl: bool = False,
+    tickets: Tensor | None = None,
 ) -> Tensor:
     """``residual + moe(x')`` for one token x (D,) -> (D,) in x's dtype, three launches;
     or for one token of each of B sequences, x (B, D) -> (B, D): the same three launches,
@@ -344,6 +360,9 @@ def moe_decode(
     (E, D, I); the shared expert (Is, D), (Is, D), (D, Is) and its gate (1, D), all
     QuantWeight (or all four shared parts None). ``pdl``: launch the three kernels with
     programmatic dependent launch (Hopper and newer; ignored elsewhere; see lily.ops.qgemv).
+    ``tickets``: int32 zeros, one a row at least, for ``config.route_once`` (each call
+    leaves them at zero; one buffer serves every layer of a model, whose calls run in turn
+    on one stream); None: new ones a call.
     """
     w = (router, gate, up, down, shared_gate, shared_up, shared_down, shared_expert_gate)
     e, i, d, i_s, norm_weight = check_moe("moe_decode", x, w, top_k, residual, norm_weight,
@@ -363,8 +382,29 @@ def moe_decode(
     gs = gate.group_size
     block_k = pow2(top_k)
     pdl = use_pdl(pdl, dev)
+    mma = cfg.mma and all(mma_fits(w) for w in (gate, up, down))
+    # route_once: the router launch routes each row once and prepares its x' for the
+    # tensor-core gate/up (one bf16 term a value: bf16 x only)
+    routed = cfg.route_once and mma and x.dtype == torch.bfloat16
+    ng = d // gs
+    g = pow2(ng)
+    ids = torch.empty((b, top_k), dtype=torch.int32, device=dev)
+    wts = torch.empty((b, top_k), dtype=torch.float32, device=dev)
+    if routed:
+        op = torch.empty((b, g, gs), dtype=torch.bfloat16, device=dev)
+        sums = torch.empty((b, g), dtype=torch.float32, device=dev)
+        if tickets is None:
+            tickets = torch.zeros(b, dtype=torch.int32, device=dev)
+        elif (tickets.dtype != torch.int32 or tickets.numel() < b or tickets.device != dev
+              or not tickets.is_contiguous()):  # fmt: skip
+            raise ValueError(f"moe_decode: tickets must be contiguous int32 on {dev} with at "
+                             f"least {b} entries, got {tickets.dtype} "
+                             f"{tuple(tickets.shape)} on {tickets.device}")  # fmt: skip
+    else:
+        op, sums, tickets = ids, wts, ids  # (unused pointers)
 
-    # 1. router logits, the shared gate's logit (slot E), the shared expert's h (row k).
+    # 1. router logits, the shared gate's logit (slot E), the shared expert's h (row k);
+    # with route_once each row's (expert, weight) pairs and prepared x'.
     # (a row's logits start on 64 bytes, so one row and B rows compile alike)
     logits = torch.empty((b, cdiv(e + 1, 16) * 16), dtype=torch.float32, device=dev)
     h = torch.empty((b, top_k + 1, max(i, i_s)), dtype=torch.float32, device=dev)
@@ -374,7 +414,7 @@ def moe_decode(
     sg, su, sd = (shared_gate, shared_up, shared_down) if has_shared else (gate[0], up[0], down[0])
     s_progs = 1 + cdiv(i_s, cfg.shared_rows) if has_shared else 0
     _moe_router_kernel[(r_progs + s_progs, b)](
-        x, nw, logits, h, *rows,
+        x, nw, logits, h, *rows, ids, wts, op, sums, tickets,
         router.qweight, router.scales, router.biases, router.qweight.stride(0),
         router.scales.stride(0),
         seg.qweight, seg.scales, seg.biases,
@@ -386,19 +426,19 @@ def moe_decode(
         R_GROUP=router.group_size, R_BG=_whole(d, router.group_size), C_BITS=seg.bits,
         C_GROUP=seg.group_size, C_BG=_whole(d, seg.group_size), S_BN=cfg.shared_rows,
         BITS=gate.bits, GROUP=gs, S_BG=_whole(d, gs), HAS_NORM=has_norm,
-        NORM_BLOCK=norm_block, NORM_STEPS=norm_steps, ON_CPU=on_cpu, PDL=pdl,
-        num_warps=cfg.num_warps, **pdl_launch(pdl),
+        NORM_BLOCK=norm_block, NORM_STEPS=norm_steps, ROUTED=routed, BLOCK_K=block_k,
+        BLOCK_E=pow2(e), NG=ng, G=g, ON_CPU=on_cpu, PDL=pdl, num_warps=cfg.num_warps,
+        **pdl_launch(pdl),
     )  # fmt: skip
 
-    # 2. top-k in every program, routed gate/up; program 0 writes the (expert, weight) pairs.
-    ids = torch.empty((b, top_k), dtype=torch.int32, device=dev)
-    wts = torch.empty((b, top_k), dtype=torch.float32, device=dev)
+    # 2. routed gate/up, the top-k in every program (program 0 writes the (expert, weight)
+    # pairs) or, with route_once, read.
     out = torch.empty((b, d), dtype=x.dtype, device=dev)
     res = residual if residual is not None else out
-    if cfg.mma and all(mma_fits(w) for w in (gate, up, down)):
+    if mma:
         moe_mma_experts(x, nw, logits, ids, wts, h, res, out, gate, up, down, sd, e, d, i, i_s,
                         top_k, eps, cfg, has_norm, has_shared, residual is not None, on_cpu,
-                        pdl)  # fmt: skip
+                        pdl, (op, sums) if routed else None)  # fmt: skip
         return out[0] if one else out
     nb = cdiv(i, cfg.gate_up_rows)
     _moe_gate_up_kernel[(top_k * nb, b)](

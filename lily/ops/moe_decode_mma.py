@@ -3,7 +3,9 @@
 Both use qgemv_mma's tile (codes unpacked straight into MMA operands, see
 lily/ops/qgemv_mma.py): ``_moe_gate_up_mma_kernel`` takes the top-k like the FMA kernel and
 multiplies its slot's gate and up rows; ``_moe_down_mma_kernel`` takes the k chosen experts'
-rows as one K of k * I (slot j = expert ids[j]). The FMA kernels in moe_decode.py spent
+rows as one K of k * I (slot j = expert ids[j]). With ``MoeDecodeConfig.route_once`` the
+gate/up programs read their expert and a prepared x' that the router launch wrote instead.
+The FMA kernels in moe_decode.py spent
 about 1.7x the instructions a code (compile-only sm_90 counts, docs/notes/decode_step.md)
 and stay for 8-bit experts and unaligned rows.
 """
@@ -14,6 +16,7 @@ import triton
 import triton.language as tl
 
 from lily.ops.launch import cdiv, launched, mask_lo, pdl_launch, pow2
+from lily.ops.mma_rows import row_prepped
 from lily.ops.moe_decode_parts import (
     down_early,
     down_finish,
@@ -30,12 +33,12 @@ from lily.quant import QuantWeight
 @launched
 @triton.jit
 def _moe_gate_up_mma_kernel(
-    p_x, p_nw, p_logits, p_ids, p_wts, p_h, stride_xt, stride_lt, stride_hb,
+    p_x, p_nw, p_logits, p_ids, p_wts, p_h, p_op, p_sum, stride_xt, stride_lt, stride_hb,
     p_gw, p_gs, p_gb, p_uw, p_us, p_ub, stride_we, stride_se, stride_qn, stride_sn,
     E, I_E, stride_h, pair_mask, eps,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, GROUP: tl.constexpr,
     NG: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, W: tl.constexpr,
-    N_BLOCKS: tl.constexpr, TERMS: tl.constexpr, HAS_NORM: tl.constexpr,
+    N_BLOCKS: tl.constexpr, TERMS: tl.constexpr, HAS_NORM: tl.constexpr, ROUTED: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ON_CPU: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # moe_decode._moe_gate_up_kernel on the tensor cores (qgemv_mma's tile): same routing
@@ -45,12 +48,20 @@ def _moe_gate_up_mma_kernel(
     row0 = (pid % N_BLOCKS) * BLOCK_N
     p_x, p_logits, p_h = row_ptrs(p_x, p_logits, p_h, stride_xt, stride_lt, stride_hb)
     p_ids, p_wts = row_pairs(p_ids, p_wts, TOP_K)
-    # x and its MMA operand before the wait (x was written before the router kernel ran:
-    # see moe_decode._moe_gate_up_kernel's note); the weights must wait for the expert id.
-    b_xn = mma_x_row(p_x, p_nw, eps, NG, G, GROUP, HAS_NORM, EVEN_K, ON_CPU)
-    b_xb, b_xs = mma_x(b_xn, G, GROUP, W, TERMS, ON_CPU)
-    pdl_wait(PDL)
-    e64 = slot_expert(p_logits, p_ids, p_wts, E, slot, pid, TOP_K, BLOCK_K, BLOCK_E)
+    if ROUTED:
+        # route_once: the router launch wrote this row's experts and prepared x'
+        pdl_wait(PDL)
+        e64 = tl.load(p_ids + slot).to(tl.int64)
+        r = tl.program_id(1)
+        b_xb, b_xs = row_prepped(p_op + r * (G * GROUP), p_sum + r * G, G, GROUP, W, ON_CPU)
+    else:
+        # x and its MMA operand before the wait (x was written before the router kernel
+        # ran: see moe_decode._moe_gate_up_kernel's note); the weights must wait for the
+        # expert id.
+        b_xn = mma_x_row(p_x, p_nw, eps, NG, G, GROUP, HAS_NORM, EVEN_K, ON_CPU)
+        b_xb, b_xs = mma_x(b_xn, G, GROUP, W, TERMS, ON_CPU)
+        pdl_wait(PDL)
+        e64 = slot_expert(p_logits, p_ids, p_wts, E, slot, pid, TOP_K, BLOCK_K, BLOCK_E)
     # NOTE: experts start on 16 bytes (checked by the launcher), so the words' vector loads
     # stay (see mma_tile)
     o_we = tl.multiple_of(e64 * stride_we, 4)
@@ -123,10 +134,12 @@ def mma_fits(w: QuantWeight) -> bool:
 
 def moe_mma_experts(
     x, nw, logits, ids, wts, h, res, out, gate, up, down, sd, e, d, i, i_s, top_k, eps, cfg,
-    has_norm, has_shared, has_res, on_cpu, pdl,
+    has_norm, has_shared, has_res, on_cpu, pdl, prepared=None,
 ) -> None:  # fmt: skip
     """Launches 2 and 3 of ``moe_decode`` on the tensor cores (arguments as checked there;
-    x, logits, ids, wts, h, res and out with a leading row axis, grid axis 1)."""
+    x, logits, ids, wts, h, res and out with a leading row axis, grid axis 1). ``prepared``:
+    route_once's (operand (B, G, GROUP) bf16, sums (B, G) fp32), ids and wts written by the
+    router launch; None: the gate/up programs route and prepare x themselves."""
     gs = gate.group_size
     b = x.shape[0]
     rows = (x.stride(0), logits.stride(0), h.stride(0))
@@ -136,13 +149,15 @@ def moe_mma_experts(
     g = pow2(ng)
     w = min(cfg.mma_warps, g)
     nb = cdiv(i, bn)
+    op, sums = prepared if prepared is not None else (h, h)  # (unused pointers)
     _moe_gate_up_mma_kernel[(top_k * nb, b)](
-        x, nw, logits, ids, wts, h, *rows,
+        x, nw, logits, ids, wts, h, op, sums, *rows,
         gate.qweight, gate.scales, gate.biases, up.qweight, up.scales, up.biases,
         gate.qweight.stride(0), gate.scales.stride(0), gate.qweight.stride(1),
         gate.scales.stride(1), e, i, h.stride(1), PAIR_MASK, float(eps),
         TOP_K=top_k, BLOCK_K=pow2(top_k), BLOCK_E=pow2(e), GROUP=gs, NG=ng, G=g, BLOCK_N=bn,
-        W=w, N_BLOCKS=nb, TERMS=X_TERMS[x.dtype], HAS_NORM=has_norm, EVEN_N=i % bn == 0,
+        W=w, N_BLOCKS=nb, TERMS=X_TERMS[x.dtype], HAS_NORM=has_norm,
+        ROUTED=prepared is not None, EVEN_N=i % bn == 0,
         EVEN_K=g == ng, ON_CPU=on_cpu, PDL=pdl, num_warps=w, **pdl_launch(pdl),
     )  # fmt: skip
     # down: K = the k slots' I; one program a bn rows of D (its own tile where given)

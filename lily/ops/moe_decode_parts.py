@@ -1,14 +1,17 @@
 """Triton pieces the MoE decode kernels share, in their FMA and tensor-core forms (and the
-prefill's routing): the top-k of the router logits and a gate/up program's routing, and the
-down launch's early loads and epilogue (the gated shared expert and the residual)."""
+prefill's routing): the top-k of the router logits and a gate/up program's routing (or the
+router launch's, once a row), and the down launch's early loads and epilogue (the gated
+shared expert and the residual)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from lily.ops.mma_rows import prep_store
 from lily.ops.norm_rope import sigmoid
 from lily.ops.qgemv import gemv_tile, load_words, load_x
+from lily.ops.qgemv_mma import mma_x_row
 from lily.ops.rmsnorm import cast_to
 
 
@@ -76,6 +79,34 @@ def slot_expert(p_logits, p_ids, p_wts, E, slot, pid, TOP_K: tl.constexpr,
         tl.store(p_ids + o_k[None, :], ids, mask=(o_k < TOP_K)[None, :])
         tl.store(p_wts + o_k[None, :], wts, mask=(o_k < TOP_K)[None, :])
     return tl.sum(tl.sum(tl.where(o_k[None, :] == slot, ids, 0), axis=1), axis=0).to(tl.int64)
+
+
+@triton.jit
+def route_once(
+    p_x, p_nw, eps, p_logits, p_ids, p_wts, p_op, p_sum, p_ticket, E, PROGS: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, GROUP: tl.constexpr,
+    NG: tl.constexpr, G: tl.constexpr, HAS_NORM: tl.constexpr, ON_CPU: tl.constexpr,
+):  # fmt: skip
+    """A router program's part in routing its row once (``MoeDecodeConfig.route_once``),
+    after it stored its logits: the row's last of the PROGS router programs to finish (a
+    ticket it leaves at zero) takes the top-k, writes the (expert, weight) pairs, and x' as
+    a prepared one-row operand (``prep_store``: bf16 in the codes' K order and the group
+    sums), so no gate/up program sorts the logits or norms and permutes x itself."""
+    # NOTE: the ticket is one thread's atomic: its release covers only that thread's
+    # stores, so every thread's logits must be issued first (as in qgemv's split-K).
+    tl.debug_barrier()
+    ticket = tl.atomic_add(p_ticket, 1, sem="acq_rel")
+    if ticket == PROGS - 1:
+        o_e = tl.arange(0, BLOCK_E)
+        o_k = tl.arange(0, BLOCK_K)
+        # .cg: past L1, the other programs' logits were written by other SMs
+        b_l = tl.load(p_logits + o_e, mask=o_e < E, other=0.0, cache_modifier=".cg")
+        ids, wts = topk_rows(b_l[None, :], E, TOP_K, BLOCK_K)
+        tl.store(p_ids + o_k[None, :], ids, mask=(o_k < TOP_K)[None, :])
+        tl.store(p_wts + o_k[None, :], wts, mask=(o_k < TOP_K)[None, :])
+        tl.atomic_xchg(p_ticket, 0)  # left at zero for the next call
+        b_xn = mma_x_row(p_x, p_nw, eps, NG, G, GROUP, HAS_NORM, NG == G, ON_CPU)
+        prep_store(b_xn, p_op, p_sum, 0, 1, GROUP, G)
 
 
 @triton.jit

@@ -38,11 +38,16 @@ def test_the_sweep_covers_every_tile_once():
     assert {(c.router_rows, c.shared_rows, c.num_warps) for c in router} == {
         (2, 8, 4), (8, 8, 4), (16, 8, 4), (4, 4, 4), (4, 16, 4), (4, 8, 8)}  # fmt: skip
     assert all((c.mma_rows, c.mma_warps) == (16, 8) for c in router)
-    assert len({c for _, c in tiles}) == len(tiles) == 14 and DEFAULT not in {c for _, c in tiles}
+    route = [c for k, c in tiles if k == "route"]
+    assert all(c.route_once for c in route) and not any(c.route_once for c in router)
+    assert {(c.mma_rows, c.mma_warps) for c in route} == {(16, 8), (16, 4), (32, 4), (32, 8),
+                                                         (64, 8)}  # fmt: skip
+    assert len({c for _, c in tiles}) == len(tiles) == 19 and DEFAULT not in {c for _, c in tiles}
     # around a table entry with a down tile of its own: the entry itself is not timed again
     table = MoeDecodeConfig(mma_rows=32, mma_warps=16, mma_down_rows=16, mma_down_warps=16)
     around = sweep_tiles(table)
-    assert table not in {c for _, c in around} and len(around) == 15
+    assert table not in {c for _, c in around} and len(around) == 21
+    assert replace(table, route_once=True) in {c for _, c in around}
     assert all(c.mma_down_rows == 16 for k, c in around if k == "router")
 
 
@@ -82,6 +87,13 @@ def test_combined_takes_each_launch_from_its_fastest_line():
     # the same tile for both launches is one name
     assert combined(DEFAULT, [line(a, 80, 30, 30, 9)]) == a
     assert combined(DEFAULT, [{**lines[0], "kernels_us": {"error": "no profiler"}}]) is None
+    # route_once rides with its gate/up tile, and the first launch is the fastest of the
+    # lines that route once too (a routing router launch does more)
+    once = MoeDecodeConfig(mma_rows=32, mma_warps=8, route_once=True)
+    once_rt = MoeDecodeConfig(router_rows=16, route_once=True)
+    got = combined(DEFAULT, [*lines, line(once, 70, 20, 35, 12), line(once_rt, 90, 40, 35, 11)])
+    assert got == MoeDecodeConfig(router_rows=16, mma_rows=32, mma_warps=8, mma_down_rows=16,
+                                  mma_down_warps=16, route_once=True)  # fmt: skip
     top = best_of(8, [{**lines[0], "config": "table, pdl"}, *lines[1:]])
     assert top["time_us"] == 80 and top["table_us"] == 90 and top["speedup"] == 90 / 80
     assert top["entry"] == "8: MoeDecodeConfig(mma_rows=32, mma_warps=16),"

@@ -89,7 +89,8 @@ def step(parts, w, rows, kernels: bool):
     if kernels:
         k = model_ops.Kernels(step=True, pdl=False, mma=True, workspace=None, inv_freq=None,
                               rows_workspace=dn.DeltaNetDecodeWorkspace.new(
-                                  HK, HV, VD, DEVICE, rows=len(rows)))  # fmt: skip
+                                  HK, HV, VD, DEVICE, rows=len(rows)),
+                              moe_tickets=None)  # fmt: skip
         table = dn.state_table(list(zip(convs, states, strict=True)), DEVICE)
     out = model_ops.deltanet_rows(parts, w, convs, states, 1e-6, k, table)
     return out, convs, states

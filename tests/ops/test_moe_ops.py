@@ -9,6 +9,7 @@ through); bf16 in or out, or prefill (bf16 tensor-core operands, h and y stored 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -169,6 +170,98 @@ def test_moe_decode_rows_equal_each_row_alone(poison, device, cfg):
     logits = ref_qlinear(rms_norm(x, nw, 1e-5).float(), w["router"])
     ids = ref_route(logits, 3)[1]
     assert len({tuple(sorted(i.tolist())) for i in ids}) > 1  # the rows are routed apart
+
+
+ROUTE_ONCE = MoeDecodeConfig(router_rows=2, mma_rows=32, route_once=True)
+
+
+def _launched(fn) -> dict:
+    """{kernel name: its constexprs} of the launches ``fn()`` would make."""
+    from lily.ops.launch import record_launches
+
+    with record_launches() as rec:
+        fn()
+    return {getattr(r[0].fn, "fn", r[0].fn).__name__: r[3] for r in rec}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "b,d,i_e,i_s,gs,e,k,norm",
+    [(3, 192, 64, 128, 64, 7, 3, True), (1, 224, 96, 0, 32, 9, 3, False)],
+    ids=["3rows-norm-g64", "1row-h-g32-7of8-noshared"],
+)
+def test_route_once_equals_routing_in_every_program(poison, device, b, d, i_e, i_s, gs, e, k,
+                                                    norm):  # fmt: skip
+    """route_once (the router launch's last program of a row takes the top-k and prepares
+    x') against the same tile routing in every gate/up program: the same output (bit for
+    bit under the interpreter, within fp32 rounding of the group sums on the GPU), both
+    against the reference; the launches carry the routed form, and the tickets are left
+    at zero. Odd shapes: 7 of 8 groups (K padded), a gate/up block past I, 9 experts; the
+    norm fused (3 rows) or x' given (one row, no shared expert)."""
+    w = make_moe(e, 4, gs, i_s > 0, seed=d + b, device=device, d=d, i_e=i_e, i_s=i_s)
+    g = torch.Generator().manual_seed(17)
+    x = (2.0 * torch.randn(b, d, generator=g) + 0.3).to(device, torch.bfloat16)
+    res = torch.randn(b, d, generator=g).to(device, torch.bfloat16)
+    nw = (1.0 + 0.2 * torch.randn(d, generator=g)).to(device, torch.bfloat16) if norm else None
+    tickets = torch.zeros(16, dtype=torch.int32, device=device)
+    every = dataclasses.replace(ROUTE_ONCE, route_once=False)
+
+    def call(cfg, t=None):
+        return moe_decode(x, *w.values(), k, res, norm_weight=nw, eps=1e-5, config=cfg,
+                          tickets=t)  # fmt: skip
+
+    kernels = _launched(lambda: call(ROUTE_ONCE, tickets))
+    assert kernels["_moe_router_kernel"]["ROUTED"] and kernels["_moe_gate_up_mma_kernel"]["ROUTED"]
+    assert not _launched(lambda: call(every))["_moe_router_kernel"]["ROUTED"]
+    y, want = call(ROUTE_ONCE, tickets), call(every)
+    assert torch.count_nonzero(tickets) == 0
+    if device == "cpu":
+        assert torch.equal(y, want)
+    else:
+        assert rel_err(y.float() - res.float(), want.float() - res.float()) < 1e-3
+    xn = rms_norm(x, nw, 1e-5) if norm else x
+    for r in range(b):
+        assert moe_err(y[r], w, xn[r], k, res[r]) < 2e-2, r
+    # without a tickets buffer a call makes its own; fp16 x has no one-term operand: the
+    # gate/up programs route (route_once is not taken)
+    assert torch.equal(call(ROUTE_ONCE), y)
+    half = _launched(lambda: moe_decode(x.half(), *w.values(), k, res.half(), norm_weight=nw,
+                                        eps=1e-5, config=ROUTE_ONCE))  # fmt: skip
+    assert not half["_moe_router_kernel"]["ROUTED"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_route_once_tickets_serve_every_layer_and_replay(device):
+    """Two layers' route_once calls sharing one tickets buffer, captured in one CUDA graph
+    with programmatic dependent launch and replayed on new rows (eager on the CPU): each
+    layer routes its own rows right every time (a ticket left off zero would route no row,
+    or the wrong one), and the tickets end at zero."""
+    ws = [make_moe(8, 4, 64, True, seed=s, device=device) for s in (61, 62)]
+    g = torch.Generator().manual_seed(63)
+    xs = [torch.randn(2, D, generator=g).bfloat16().to(device) for _ in range(3)]
+    nw = (1.0 + 0.2 * torch.randn(D, generator=g)).bfloat16().to(device)
+    x = xs[0].clone()
+    tickets = torch.zeros(16, dtype=torch.int32, device=device)
+
+    def call():
+        h = moe_decode(x, *ws[0].values(), 2, x, norm_weight=nw, config=ROUTE_ONCE, pdl=True,
+                       tickets=tickets)  # fmt: skip
+        return h, moe_decode(h, *ws[1].values(), 2, h, norm_weight=nw, config=ROUTE_ONCE,
+                             pdl=True, tickets=tickets)  # fmt: skip
+
+    if device == "cuda":
+        graph, (h, out) = capture_graph(call)
+    for i in (1, 2):
+        x.copy_(xs[i])
+        if device == "cuda":
+            graph.replay()
+            torch.cuda.synchronize()
+        else:
+            h, out = call()
+        assert torch.count_nonzero(tickets) == 0
+        for r in range(2):
+            assert moe_err(h[r], ws[0], rms_norm(xs[i][r], nw, 1e-6), 2, xs[i][r]) < 2e-2
+            assert moe_err(out[r], ws[1], rms_norm(h[r], nw, 1e-6), 2, h[r]) < 2e-2
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -390,6 +483,8 @@ def test_moe_bad_inputs_give_clear_errors():
         moe_decode(x[None, None], *args, 2)
     with pytest.raises(ValueError, match="all of shared"):
         moe_decode(x, *args[:4], None, *args[5:], 2)
+    with pytest.raises(ValueError, match="tickets must be contiguous int32"):
+        moe_decode(x, *args, 2, config=ROUTE_ONCE, tickets=torch.zeros(1, dtype=torch.int64))
     with pytest.raises(ValueError, match="expert shapes"):
         moe_prefill(x[None], args[0], args[1], args[2], args[1], *args[4:], 2)
     with pytest.raises(ValueError, match="residual"):

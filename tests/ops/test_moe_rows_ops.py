@@ -16,6 +16,7 @@ removed) 2e-2 per row, as the one-row kernel's bf16 tests (bf16 operands; about 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -305,15 +306,16 @@ SPLIT = MoeDecodeConfig(router_rows=2, shared_rows=32, num_warps=2, mma_rows=64,
 WIDE_ROWS = MoeDecodeConfig(router_rows=8, shared_rows=16, mma_rows=32, mma_warps=2)
 
 
-def _step_moe(x, w: dict, k: int, nw):
-    """lily.model.ops.moe as a batched decode step calls it (kernels, ``step``)."""
+def _step_moe(x, w: dict, k: int, nw, tickets=None):
+    """lily.model.ops.moe as a batched decode step calls it (kernels, ``step``; the model's
+    route_once ``tickets``)."""
     from types import SimpleNamespace
 
     from lily.model.bundles import MoEWeights
     from lily.model.ops import Kernels, moe
 
     kern = Kernels(step=True, pdl=False, mma=True, workspace=None, inv_freq=None,
-                   rows_workspace=None)  # fmt: skip
+                   rows_workspace=None, moe_tickets=tickets)  # fmt: skip
     cfg = SimpleNamespace(rms_norm_eps=EPS, num_experts_per_tok=k, norm_topk_prob=True)
     return moe(x, None, nw, MoEWeights(*w.values()), None, cfg, kern)[0]
 
@@ -354,6 +356,33 @@ def test_the_batched_step_takes_its_tile_from_the_row_table(poison, monkeypatch)
     y = _step_moe(x, w, k, nw)
     assert y.shape == (5, d) and y.dtype == torch.bfloat16
     assert max(check_rows(y, x, w, k, nw, x)) < BOUND
+
+
+def test_a_route_once_entry_routes_in_the_router_launch(poison, monkeypatch):
+    """A table entry with route_once: the step's router launch routes each row (ROUTED,
+    on the model's tickets, left at zero) and the gate/up launch reads it; every row
+    against the reference MoE of that row alone, on rows on one set of experts and rows
+    where some pair shares none."""
+    import lily.model.ops as model_ops
+    from lily.ops.launch import record_launches
+
+    monkeypatch.setattr(model_ops, "MOE_ROWS_CONFIGS",
+                        {2: dataclasses.replace(WIDE_ROWS, route_once=True)})  # fmt: skip
+    d, i_e, i_s, gs, e, k = 224, 96, 96, 32, 9, 3
+    w = make_moe(e, 4, gs, True, seed=71, device=DEV, d=d, i_e=i_e, i_s=i_s)
+    g = torch.Generator().manual_seed(71)
+    nw = (1.0 + 0.2 * torch.randn(d, generator=g)).bfloat16().to(DEV)
+    tickets = torch.zeros(16, dtype=torch.int32, device=DEV)
+    with record_launches() as rec:
+        _step_moe(torch.zeros(3, d, dtype=torch.bfloat16, device=DEV), w, k, nw, tickets)
+    got = {getattr(r[0].fn, "fn", r[0].fn).__name__: r for r in rec}
+    assert got["_moe_router_kernel"][3]["ROUTED"] and got["_moe_gate_up_mma_kernel"][3]["ROUTED"]
+    assert any(a is tickets for a in got["_moe_router_kernel"][2])
+    for pattern in ("overlap", "same-set"):
+        x = draw_rows(w, 3, d, k, nw, pattern, seed=73)
+        y = _step_moe(x, w, k, nw, tickets)
+        assert torch.count_nonzero(tickets) == 0
+        assert max(check_rows(y, x, w, k, nw, x)) < BOUND, pattern
 
 
 def test_the_compile_matrix_sees_the_row_table(monkeypatch):

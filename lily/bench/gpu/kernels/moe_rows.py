@@ -26,15 +26,18 @@ Every path is checked against the reference MoE of each row (``rel_err``, the wo
 ``--variants`` (B >= 2): ``moe_decode rows`` on other tiles, each line's ``sweep``:
 ``mma``, the tensor-core tile (mma_rows 16/32/64 x mma_warps 4/8/16, gate/up and down
 alike); ``router``, the first launch's router_rows, shared_rows or num_warps (one field at a
-time); ``combined``, the fastest gate/up tile, down tile (mma_down_rows/warps) and first
-launch of those lines, each by its own kernel's time (``kernels_us``), together.
+time); ``route``, route_once (the router launch routes each row once) on the table's tile
+and on a few tensor-core tiles; ``combined``, the fastest gate/up tile, down tile
+(mma_down_rows/warps) and first launch of those lines, each by its own kernel's time
+(``kernels_us``), together.
 gate_up_rows, down_rows and down_warps belong to the FMA kernels (8-bit experts): not
 swept. A tile the compile matrix would reject on this GPU (lily/ops/matrix.py: registers,
 spills past its limit) is skipped with the reason (``skipped``); where it rejects one of
 the two tensor-core launches alone, the other's tile is timed with that launch on the
 table's tile. Per B the fastest tile within ERR_BOUND is printed beside the table's, with
 its MOE_ROWS_CONFIGS entry (``best``). The sweep's rules: kernels/moe_rows_sweep.py.
-``--sweep-only``: the ``moe_decode rows`` lines alone. The JSON is rewritten after every
+``--sweep-only``: the ``moe_decode rows`` lines alone; ``--kinds route,router``: those
+sweeps alone. The JSON is rewritten after every
 line, and ``--max-seconds`` starts no line past that time, so a run stopped early keeps
 what it measured. The sweep (B in the order given; about 2 minutes, most of it compiling):
 
@@ -206,10 +209,11 @@ class Bench:
         write_json(self.out, self.report)
         return True
 
-    def sweep(self, rows: Rows, table: MoeDecodeConfig, lines: list[dict]) -> None:
-        """``moe_decode rows`` on the tiles of ``sweep_tiles`` (each as ``fit`` takes it),
-        then on ``combined``, beside the table's ``lines``; the fastest usable line into
-        ``best``."""
+    def sweep(self, rows: Rows, table: MoeDecodeConfig, lines: list[dict],
+              kinds: set[str] | None = None) -> None:  # fmt: skip
+        """``moe_decode rows`` on the tiles of ``sweep_tiles`` (each as ``fit`` takes it;
+        ``kinds``: those sweeps alone), then on ``combined``, beside the table's ``lines``;
+        the fastest usable line into ``best``."""
         tried = {canon(table)}
 
         def run(kind: str, cfg: MoeDecodeConfig) -> bool:
@@ -236,7 +240,8 @@ class Bench:
                 lines.append(self.results[-1])
             return ok
 
-        if all(run(kind, cfg) for kind, cfg in sweep_tiles(table)):
+        tiles = [(k, c) for k, c in sweep_tiles(table) if kinds is None or k in kinds]
+        if all(run(kind, cfg) for kind, cfg in tiles):
             both = combined(table, lines)
             if both is not None:
                 run("combined", both)
@@ -252,6 +257,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8,16", help="batch sizes B, in this order")
     ap.add_argument("--layers", type=int, default=4, help="layers of distinct weights")
     ap.add_argument("--variants", action="store_true", help="also the moe_decode rows sweep")
+    ap.add_argument("--kinds", help="with --variants: these sweeps alone (mma,router,route)")
     sweep_args(ap, "moe_decode rows")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -284,7 +290,9 @@ def main() -> None:
             if base_us and r.get("time_us"):
                 r["speedup_vs_previous"] = base_us / r["time_us"]
         if args.variants and b > 1:
-            bench.sweep(rows, table, [r for r in results[before:] if r["op"] == "moe_decode rows"])
+            kinds = set(args.kinds.split(",")) if args.kinds else None
+            bench.sweep(rows, table, [r for r in results[before:] if r["op"] == "moe_decode rows"],
+                        kinds)  # fmt: skip
     cw = max([24] + [len(r["config"]) for r in results])  # the sweep's labels are longer
     print(f"\n{'op':20} {'config':{cw}} {'B':>3} {'distinct':>8} {'us/layer':>9} {'floor':>7} "
           f"{'of floor':>8} {'vs prev':>7} {'rel_err':>8}")  # fmt: skip

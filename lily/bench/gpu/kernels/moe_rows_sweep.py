@@ -17,6 +17,9 @@ from lily.ops.moe_decode import MoeDecodeConfig
 SWEEP_ROWS, SWEEP_WARPS = (16, 32, 64), (4, 8, 16)
 ROUTER_SWEEP = ({"router_rows": 2}, {"router_rows": 8}, {"router_rows": 16},
                 {"shared_rows": 4}, {"shared_rows": 16}, {"num_warps": 8})  # fmt: skip
+# route_once (the router launch routes each row once) on the table's tile and on these
+# tensor-core tiles (rows, warps): it frees a gate/up program's registers, so wider ones
+ROUTE_TILES = ((16, 4), (16, 8), (32, 4), (32, 8), (64, 8))
 ERR_BOUND = 2e-2  # a tile counts within the kernel tests' bound (tests/ops/test_moe_rows_ops.py)
 # kernels_us keys (kernel names) of moe_decode's three launches on the tensor-core path
 PARTS = {"gate_up": "gate_up_mma", "down": "down_mma", "router": "router"}
@@ -59,8 +62,12 @@ def sweep_tiles(base: MoeDecodeConfig) -> list[tuple[str, MoeDecodeConfig]]:
                                              mma_down_warps=None)))
            for r in SWEEP_ROWS for w in SWEEP_WARPS]  # fmt: skip
     router = [("router", dataclasses.replace(base, **f)) for f in ROUTER_SWEEP]
+    route = [("route", dataclasses.replace(base, route_once=True))]
+    route += [("route", canon(dataclasses.replace(base, route_once=True, mma_rows=r, mma_warps=w,
+                                                  mma_down_rows=None, mma_down_warps=None)))
+              for r, w in ROUTE_TILES]  # fmt: skip
     out, seen = [], {canon(base)}
-    for sweep, cfg in mma + router:
+    for sweep, cfg in mma + router + route:
         if cfg not in seen:
             seen.add(cfg)
             out.append((sweep, cfg))
@@ -80,10 +87,17 @@ def usable(line: dict) -> bool:
 
 def combined(base: MoeDecodeConfig, lines: list[dict]) -> MoeDecodeConfig | None:
     """The fastest gate/up tile, down tile and first launch among ``lines`` (each by its
-    own kernel's time) as one tile; None without those times."""
+    own kernel's time) as one tile; None without those times. route_once goes with the
+    gate/up tile (it moves work from gate/up into the first launch), so the first launch
+    is the fastest of the lines that route as that one does."""
     fastest = {}
     for part, name in PARTS.items():
-        timed = [(kernel_us(r, name), r) for r in lines if usable(r)]
+        if part == "router" and "gate_up" in fastest:
+            once = fastest["gate_up"].route_once
+            pool = [r for r in lines if r.get("tile", {}).get("route_once", False) == once]
+        else:
+            pool = lines
+        timed = [(kernel_us(r, name), r) for r in pool if usable(r)]
         timed = [(t, r) for t, r in timed if t is not None]
         if not timed:
             return None
@@ -93,6 +107,7 @@ def combined(base: MoeDecodeConfig, lines: list[dict]) -> MoeDecodeConfig | None
     return canon(dataclasses.replace(
         base, router_rows=rt.router_rows, shared_rows=rt.shared_rows, num_warps=rt.num_warps,
         mma_rows=gu.mma_rows, mma_warps=gu.mma_warps, mma_down_rows=rows, mma_down_warps=warps,
+        route_once=gu.route_once,
     ))  # fmt: skip
 
 
