@@ -7,6 +7,7 @@ tiles)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import subprocess
 
 import torch
@@ -128,6 +129,16 @@ def compile_report(only: set[str], sweeps: Sweeps, sass_dir: str | None = None) 
                 moe_decode(x, *args, TOP_K, x, norm_weight=nw, pdl=True)
                 launches.append("dn qkv|z|b|a +norm pdl")
                 qgemv(x, zero_qweight((12352, D), 4), norm_weight=nw, pdl=True)
+        if "moe_rows" in only:  # the batched step's MoE, routing in every program or once
+            from lily.model.ops import moe_rows_config
+
+            with pdl_forced():
+                for b in (1, 4, 8):
+                    table = moe_rows_config(b) or MoeDecodeConfig()
+                    xb = torch.zeros(b, D, dtype=BF16)
+                    for cfg in (table, dataclasses.replace(table, route_once=True)):
+                        launches.append(f"moe_decode B={b} +norm pdl {cfg_str(cfg)}")
+                        moe_decode(xb, *args, TOP_K, xb, norm_weight=nw, config=cfg, pdl=True)
         if "moe_prefill" in only:
             for t in PREFILL_T:
                 for bm in (None, *sweeps.prefill_bm):
