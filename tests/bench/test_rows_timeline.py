@@ -40,6 +40,17 @@ def test_a_variant_switches_and_restores(monkeypatch):
     assert model_ops.ROWS_PREP_HEAD is True
 
 
+def test_route_once_is_the_table_with_routing_once():
+    table = model_ops.MOE_ROWS_CONFIGS
+    runner = _Runner()
+    with rows_timeline.switched("route_once", runner):
+        got = model_ops.MOE_ROWS_CONFIGS
+        assert got.keys() == table.keys() and all(c.route_once for c in got.values())
+        assert {b: c.mma_rows for b, c in got.items()} == {b: c.mma_rows for b, c in table.items()}
+        assert model_ops.moe_rows_config(8).route_once
+    assert model_ops.MOE_ROWS_CONFIGS is table and not model_ops.moe_rows_config(8).route_once
+
+
 def test_an_unknown_variant_is_refused():
     with pytest.raises(SystemExit, match="unknown variant 'fast'.*no_pow2"):
         with rows_timeline.switched("fast", _Runner()):

@@ -8,7 +8,9 @@ kind and by kernel), with the host's wall time of a whole ``decode_rows`` call b
 and the one-row step's replay for scale. ``--variants`` repeats it with the batched step's
 switches of lily/model/ops.py changed, in the same process: ``no_rows_mma`` (projections on
 qgemv/qgemm), ``rows_moe`` (the MoE on moe_decode_rows), ``rows_prep`` /
-``no_rows_prep`` (the normed projections' rows prepared once, ROWS_PREP, or not).
+``no_rows_prep`` (the normed projections' rows prepared once, ROWS_PREP, or not),
+``no_head_prep``, ``no_pow2``, ``route_once`` (the MoE's table tiles routing each row once
+in the router launch).
 
     python3 -m lily.bench.gpu.diagnostics.rows_timeline --rows 2,4,8 --out $OUT/rows.json
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import time
 
 import torch
@@ -35,6 +38,12 @@ SWITCHES = {
     "no_rows_prep": {"ROWS_PREP": False},
     "no_head_prep": {"ROWS_PREP_HEAD": False},
     "no_pow2": {"OPERAND_POW2": False},
+    # the MoE's table tiles with route_once (the router launch routes each row once)
+    "route_once": {
+        "MOE_ROWS_CONFIGS": {
+            b: dataclasses.replace(c, route_once=True) for b, c in ops_mod.MOE_ROWS_CONFIGS.items()
+        }
+    },
 }
 
 
