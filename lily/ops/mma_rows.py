@@ -126,6 +126,23 @@ def row_prepped(p_op, p_sum, G: tl.constexpr, GROUP: tl.constexpr, W: tl.constex
 
 
 @triton.jit
+def row_operand(p_op, G: tl.constexpr, GROUP: tl.constexpr, NG, W: tl.constexpr,
+                ON_CPU: tl.constexpr):  # fmt: skip
+    """One row stored by ``prep_store``'s layout without its sums (G, GROUP) bf16, groups
+    past NG read as zeros, as ``mma_x`` gives one bf16 row: the operand over the MMA's 8
+    columns (G, GROUP, 8) and the group sums (G,), summed here."""
+    GH: tl.constexpr = G // W
+    o_b = tl.arange(0, G)
+    g = (o_b % W) * GH + o_b // W
+    o_f = tl.arange(0, GROUP)
+    b_x = tl.load(p_op + g[:, None] * GROUP + o_f[None, :], mask=(g < NG)[:, None], other=0.0)
+    b_xs = tl.sum(b_x.to(tl.float32), axis=1)
+    if ON_CPU:
+        b_x = b_x.to(tl.float32)  # (the interpreter's dot multiplies bf16 as integers)
+    return tl.broadcast_to(b_x[:, :, None], (G, GROUP, 8)), b_xs
+
+
+@triton.jit
 def prep_store(b_xn, p_op, p_sum, r, XR: tl.constexpr, GROUP: tl.constexpr, G: tl.constexpr):
     """Row r of a prepared operand of XR rows from the row (G * GROUP,) fp32 of bf16-exact
     values in memory order: its group sums, its values scattered into the K order."""

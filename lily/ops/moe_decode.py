@@ -298,6 +298,10 @@ class MoeDecodeConfig:
     row takes the row's top-k and writes x' as a prepared operand, so the gate/up programs
     read their expert and x' instead of each sorting the E logits and norming and permuting
     x (``moe_decode_parts.route_once``); the ticket it takes sits on the chain.
+    down_operand (with route_once): the gate/up programs write h times its routing weight,
+    rounded to bf16 (as moe_prefill stores it), as the down launch's operand in the codes'
+    K order, so the down programs load it where each built it from fp32 h in three bf16
+    terms.
     """
 
     router_rows: int = 4
@@ -312,6 +316,7 @@ class MoeDecodeConfig:
     mma_down_rows: int | None = None
     mma_down_warps: int | None = None
     route_once: bool = False
+    down_operand: bool = False
 
     def __post_init__(self) -> None:
         for name in ("router_rows", "shared_rows", "gate_up_rows", "down_rows", "num_warps",
@@ -324,6 +329,9 @@ class MoeDecodeConfig:
         for name, v in (("mma_rows", self.mma_rows), ("mma_down_rows", self.mma_down_rows)):
             if v not in (16, 32, 64) and not (v is None and name == "mma_down_rows"):
                 raise ValueError(f"MoeDecodeConfig.{name} must be 16, 32 or 64, got {v}")
+        if self.down_operand and not self.route_once:
+            raise ValueError("MoeDecodeConfig.down_operand needs route_once (the routing "
+                             "weights before the gate/up launch)")  # fmt: skip
 
 
 def _whole(k: int, group_size: int) -> int:

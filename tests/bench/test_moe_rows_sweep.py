@@ -40,13 +40,14 @@ def test_the_sweep_covers_every_tile_once():
     assert all((c.mma_rows, c.mma_warps) == (16, 8) for c in router)
     route = [c for k, c in tiles if k == "route"]
     assert all(c.route_once for c in route) and not any(c.route_once for c in router)
-    assert {(c.mma_rows, c.mma_warps) for c in route} == {(16, 8), (16, 4), (32, 4), (32, 8),
-                                                         (64, 8)}  # fmt: skip
-    assert len({c for _, c in tiles}) == len(tiles) == 19 and DEFAULT not in {c for _, c in tiles}
+    assert [c for c in route if not c.down_operand] == [replace(DEFAULT, route_once=True)]
+    assert {(c.mma_rows, c.mma_warps) for c in route if c.down_operand} == {
+        (16, 8), (16, 4), (32, 4), (32, 8), (64, 8)}  # fmt: skip
+    assert len({c for _, c in tiles}) == len(tiles) == 20 and DEFAULT not in {c for _, c in tiles}
     # around a table entry with a down tile of its own: the entry itself is not timed again
     table = MoeDecodeConfig(mma_rows=32, mma_warps=16, mma_down_rows=16, mma_down_warps=16)
     around = sweep_tiles(table)
-    assert table not in {c for _, c in around} and len(around) == 21
+    assert table not in {c for _, c in around} and len(around) == 22
     assert replace(table, route_once=True) in {c for _, c in around}
     assert all(c.mma_down_rows == 16 for k, c in around if k == "router")
 

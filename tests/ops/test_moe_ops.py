@@ -184,12 +184,15 @@ def _launched(fn) -> dict:
     return {getattr(r[0].fn, "fn", r[0].fn).__name__: r[3] for r in rec}
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(
+ROUTE_CASES = pytest.mark.parametrize(
     "b,d,i_e,i_s,gs,e,k,norm",
     [(3, 192, 64, 128, 64, 7, 3, True), (1, 224, 96, 0, 32, 9, 3, False)],
     ids=["3rows-norm-g64", "1row-h-g32-7of8-noshared"],
 )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@ROUTE_CASES
 def test_route_once_equals_routing_in_every_program(poison, device, b, d, i_e, i_s, gs, e, k,
                                                     norm):  # fmt: skip
     """route_once (the router launch's last program of a row takes the top-k and prepares
@@ -231,9 +234,40 @@ def test_route_once_equals_routing_in_every_program(poison, device, b, d, i_e, i
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@ROUTE_CASES
+def test_down_operand_rounds_only_h(poison, device, b, d, i_e, i_s, gs, e, k, norm):
+    """down_operand (gate/up writes h, weighted and bf16, as the down launch's operand)
+    against route_once alone: the launches carry it, every row within h's bf16 rounding of
+    route_once's (where a wrong slot, group or K order is an O(1) error) and within the
+    kernels' bound of the reference. Shapes as above: k * I of 3 groups (4 with padding)
+    and 9 groups of 32 (16), a gate/up block past I."""
+    w = make_moe(e, 4, gs, i_s > 0, seed=d + b, device=device, d=d, i_e=i_e, i_s=i_s)
+    g = torch.Generator().manual_seed(19)
+    x = (2.0 * torch.randn(b, d, generator=g) + 0.3).to(device, torch.bfloat16)
+    res = torch.randn(b, d, generator=g).to(device, torch.bfloat16)
+    nw = (1.0 + 0.2 * torch.randn(d, generator=g)).to(device, torch.bfloat16) if norm else None
+    hop = dataclasses.replace(ROUTE_ONCE, down_operand=True)
+
+    def call(cfg):
+        return moe_decode(x, *w.values(), k, res, norm_weight=nw, eps=1e-5, config=cfg)
+
+    kernels = _launched(lambda: call(hop))
+    assert kernels["_moe_gate_up_mma_kernel"]["H_OP"] and kernels["_moe_down_mma_kernel"]["H_OP"]
+    assert not _launched(lambda: call(ROUTE_ONCE))["_moe_down_mma_kernel"]["H_OP"]
+    y, once = call(hop), call(ROUTE_ONCE)
+    xn = rms_norm(x, nw, 1e-5) if norm else x
+    for r in range(b):
+        assert rel_err(y[r].float() - res[r].float(), once[r].float() - res[r].float()) < 5e-3
+        assert moe_err(y[r], w, xn[r], k, res[r]) < 2e-2, r
+    with pytest.raises(ValueError, match="down_operand needs route_once"):
+        MoeDecodeConfig(down_operand=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_route_once_tickets_serve_every_layer_and_replay(device):
-    """Two layers' route_once calls sharing one tickets buffer, captured in one CUDA graph
-    with programmatic dependent launch and replayed on new rows (eager on the CPU): each
+    """Two layers' route_once calls (the second with down_operand) sharing one tickets
+    buffer, captured in one CUDA graph with programmatic dependent launch and replayed on
+    new rows (eager on the CPU): each
     layer routes its own rows right every time (a ticket left off zero would route no row,
     or the wrong one), and the tickets end at zero."""
     ws = [make_moe(8, 4, 64, True, seed=s, device=device) for s in (61, 62)]
@@ -242,12 +276,13 @@ def test_route_once_tickets_serve_every_layer_and_replay(device):
     nw = (1.0 + 0.2 * torch.randn(D, generator=g)).bfloat16().to(device)
     x = xs[0].clone()
     tickets = torch.zeros(16, dtype=torch.int32, device=device)
+    hop = dataclasses.replace(ROUTE_ONCE, down_operand=True)
 
     def call():
         h = moe_decode(x, *ws[0].values(), 2, x, norm_weight=nw, config=ROUTE_ONCE, pdl=True,
                        tickets=tickets)  # fmt: skip
-        return h, moe_decode(h, *ws[1].values(), 2, h, norm_weight=nw, config=ROUTE_ONCE,
-                             pdl=True, tickets=tickets)  # fmt: skip
+        return h, moe_decode(h, *ws[1].values(), 2, h, norm_weight=nw, config=hop, pdl=True,
+                             tickets=tickets)  # fmt: skip
 
     if device == "cuda":
         graph, (h, out) = capture_graph(call)

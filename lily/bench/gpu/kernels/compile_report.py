@@ -136,7 +136,8 @@ def compile_report(only: set[str], sweeps: Sweeps, sass_dir: str | None = None) 
                 for b in (1, 4, 8):
                     table = moe_rows_config(b) or MoeDecodeConfig()
                     xb = torch.zeros(b, D, dtype=BF16)
-                    for cfg in (table, dataclasses.replace(table, route_once=True)):
+                    once = dataclasses.replace(table, route_once=True)
+                    for cfg in (table, once, dataclasses.replace(once, down_operand=True)):
                         launches.append(f"moe_decode B={b} +norm pdl {cfg_str(cfg)}")
                         moe_decode(xb, *args, TOP_K, xb, norm_weight=nw, config=cfg, pdl=True)
         if "moe_prefill" in only:

@@ -17,8 +17,9 @@ from lily.ops.moe_decode import MoeDecodeConfig
 SWEEP_ROWS, SWEEP_WARPS = (16, 32, 64), (4, 8, 16)
 ROUTER_SWEEP = ({"router_rows": 2}, {"router_rows": 8}, {"router_rows": 16},
                 {"shared_rows": 4}, {"shared_rows": 16}, {"num_warps": 8})  # fmt: skip
-# route_once (the router launch routes each row once) on the table's tile and on these
-# tensor-core tiles (rows, warps): it frees a gate/up program's registers, so wider ones
+# route_once (the router launch routes each row once) on the table's tile, then with
+# down_operand (gate/up writes the down launch's operand) on it and on these tensor-core
+# tiles (rows, warps): both free registers, so wider tiles may fit
 ROUTE_TILES = ((16, 4), (16, 8), (32, 4), (32, 8), (64, 8))
 ERR_BOUND = 2e-2  # a tile counts within the kernel tests' bound (tests/ops/test_moe_rows_ops.py)
 # kernels_us keys (kernel names) of moe_decode's three launches on the tensor-core path
@@ -62,8 +63,10 @@ def sweep_tiles(base: MoeDecodeConfig) -> list[tuple[str, MoeDecodeConfig]]:
                                              mma_down_warps=None)))
            for r in SWEEP_ROWS for w in SWEEP_WARPS]  # fmt: skip
     router = [("router", dataclasses.replace(base, **f)) for f in ROUTER_SWEEP]
-    route = [("route", dataclasses.replace(base, route_once=True))]
-    route += [("route", canon(dataclasses.replace(base, route_once=True, mma_rows=r, mma_warps=w,
+    once = dataclasses.replace(base, route_once=True)
+    hop = dataclasses.replace(once, down_operand=True)
+    route = [("route", once), ("route", hop)]
+    route += [("route", canon(dataclasses.replace(hop, mma_rows=r, mma_warps=w,
                                                   mma_down_rows=None, mma_down_warps=None)))
               for r, w in ROUTE_TILES]  # fmt: skip
     out, seen = [], {canon(base)}
@@ -107,7 +110,7 @@ def combined(base: MoeDecodeConfig, lines: list[dict]) -> MoeDecodeConfig | None
     return canon(dataclasses.replace(
         base, router_rows=rt.router_rows, shared_rows=rt.shared_rows, num_warps=rt.num_warps,
         mma_rows=gu.mma_rows, mma_warps=gu.mma_warps, mma_down_rows=rows, mma_down_warps=warps,
-        route_once=gu.route_once,
+        route_once=gu.route_once, down_operand=gu.down_operand,
     ))  # fmt: skip
 
 
