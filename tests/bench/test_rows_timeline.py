@@ -49,6 +49,8 @@ def test_route_once_is_the_table_with_routing_once():
         assert {b: c.mma_rows for b, c in got.items()} == {b: c.mma_rows for b, c in table.items()}
         assert model_ops.moe_rows_config(8).route_once
     assert model_ops.MOE_ROWS_CONFIGS is table and not model_ops.moe_rows_config(8).route_once
+    with rows_timeline.switched("route_hop", runner):
+        assert all(c.route_once and c.down_operand for c in model_ops.MOE_ROWS_CONFIGS.values())
 
 
 def test_an_unknown_variant_is_refused():

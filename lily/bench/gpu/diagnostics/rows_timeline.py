@@ -10,7 +10,7 @@ switches of lily/model/ops.py changed, in the same process: ``no_rows_mma`` (pro
 qgemv/qgemm), ``rows_moe`` (the MoE on moe_decode_rows), ``rows_prep`` /
 ``no_rows_prep`` (the normed projections' rows prepared once, ROWS_PREP, or not),
 ``no_head_prep``, ``no_pow2``, ``route_once`` (the MoE's table tiles routing each row once
-in the router launch).
+in the router launch), ``route_hop`` (and gate/up writing the down launch's operand).
 
     python3 -m lily.bench.gpu.diagnostics.rows_timeline --rows 2,4,8 --out $OUT/rows.json
 """
@@ -38,13 +38,14 @@ SWITCHES = {
     "no_rows_prep": {"ROWS_PREP": False},
     "no_head_prep": {"ROWS_PREP_HEAD": False},
     "no_pow2": {"OPERAND_POW2": False},
-    # the MoE's table tiles with route_once (the router launch routes each row once)
-    "route_once": {
-        "MOE_ROWS_CONFIGS": {
-            b: dataclasses.replace(c, route_once=True) for b, c in ops_mod.MOE_ROWS_CONFIGS.items()
-        }
-    },
-}
+    # the MoE's table tiles with route_once (the router launch routes each row once), and
+    # also with down_operand (gate/up writes the down launch's operand)
+    "route_once": {"MOE_ROWS_CONFIGS": {b: dataclasses.replace(c, route_once=True)
+                                        for b, c in ops_mod.MOE_ROWS_CONFIGS.items()}},
+    "route_hop": {"MOE_ROWS_CONFIGS": {
+        b: dataclasses.replace(c, route_once=True, down_operand=True)
+        for b, c in ops_mod.MOE_ROWS_CONFIGS.items()}},
+}  # fmt: skip
 
 
 def _owner(name: str):
