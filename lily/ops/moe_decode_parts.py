@@ -82,16 +82,27 @@ def slot_expert(p_logits, p_ids, p_wts, E, slot, pid, TOP_K: tl.constexpr,
 
 
 @triton.jit
+def prep_row(p_x, p_nw, eps, p_op, p_sum, GROUP: tl.constexpr, NG: tl.constexpr,
+             G: tl.constexpr, HAS_NORM: tl.constexpr, ON_CPU: tl.constexpr):  # fmt: skip
+    """x' of one row as a prepared one-row operand (``prep_store``: bf16 in the codes' K
+    order and the group sums), normed as ``mma_x_row`` makes it."""
+    b_xn = mma_x_row(p_x, p_nw, eps, NG, G, GROUP, HAS_NORM, NG == G, ON_CPU)
+    prep_store(b_xn, p_op, p_sum, 0, 1, GROUP, G)
+
+
+@triton.jit
 def route_once(
     p_x, p_nw, eps, p_logits, p_ids, p_wts, p_op, p_sum, p_ticket, E, PROGS: tl.constexpr,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, GROUP: tl.constexpr,
-    NG: tl.constexpr, G: tl.constexpr, HAS_NORM: tl.constexpr, ON_CPU: tl.constexpr,
+    NG: tl.constexpr, G: tl.constexpr, HAS_NORM: tl.constexpr, PREP: tl.constexpr,
+    ON_CPU: tl.constexpr,
 ):  # fmt: skip
     """A router program's part in routing its row once (``MoeDecodeConfig.route_once``),
     after it stored its logits: the row's last of the PROGS router programs to finish (a
-    ticket it leaves at zero) takes the top-k, writes the (expert, weight) pairs, and x' as
-    a prepared one-row operand (``prep_store``: bf16 in the codes' K order and the group
-    sums), so no gate/up program sorts the logits or norms and permutes x itself."""
+    ticket it leaves at zero) takes the top-k and writes the (expert, weight) pairs, and
+    with ``PREP`` x' as a prepared operand (``prep_row``; else another program of the
+    launch makes it off the ticket's tail), so no gate/up program sorts the logits or
+    norms and permutes x itself."""
     # NOTE: the ticket is one thread's atomic: its release covers only that thread's
     # stores, so every thread's logits must be issued first (as in qgemv's split-K).
     tl.debug_barrier()
@@ -105,8 +116,8 @@ def route_once(
         tl.store(p_ids + o_k[None, :], ids, mask=(o_k < TOP_K)[None, :])
         tl.store(p_wts + o_k[None, :], wts, mask=(o_k < TOP_K)[None, :])
         tl.atomic_xchg(p_ticket, 0)  # left at zero for the next call
-        b_xn = mma_x_row(p_x, p_nw, eps, NG, G, GROUP, HAS_NORM, NG == G, ON_CPU)
-        prep_store(b_xn, p_op, p_sum, 0, 1, GROUP, G)
+        if PREP:
+            prep_row(p_x, p_nw, eps, p_op, p_sum, GROUP, NG, G, HAS_NORM, ON_CPU)
 
 
 @triton.jit
