@@ -121,9 +121,15 @@ def rows_call(cfg: MoeDecodeConfig | None):
     """One layer's ``moe_decode rows`` call (x, w, nw, next_nw) -> out on tile ``cfg``; a
     route_once tile on one tickets buffer for every layer, as the engine's (a new one a
     call would put a memset between two layers' launches)."""
-    tickets = torch.zeros(16, dtype=torch.int32, device=DEV)
-    return lambda x, w, nw, nn: moe_decode(x, *w.values(), TOP_K, x, norm_weight=nw, eps=EPS,
-                                           config=cfg, pdl=True, tickets=tickets)  # fmt: skip
+    tickets = []  # (made at the first call, on its device)
+
+    def call(x, w, nw, nn):
+        if not tickets:
+            tickets.append(torch.zeros(16, dtype=torch.int32, device=x.device))
+        return moe_decode(x, *w.values(), TOP_K, x, norm_weight=nw, eps=EPS, config=cfg,
+                          pdl=True, tickets=tickets[0])  # fmt: skip
+
+    return call
 
 
 def paths(b: int, sweep_only: bool = False) -> list[tuple]:
