@@ -121,11 +121,11 @@ def rows_call(cfg: MoeDecodeConfig | None):
     """One layer's ``moe_decode rows`` call (x, w, nw, next_nw) -> out on tile ``cfg``; a
     route_once tile on one tickets buffer for every layer, as the engine's (a new one a
     call would put a memset between two layers' launches)."""
-    tickets = []  # (made at the first call, on its device)
+    tickets = [None]  # (route_once: made at the first call, on its device)
 
     def call(x, w, nw, nn):
-        if not tickets:
-            tickets.append(torch.zeros(16, dtype=torch.int32, device=x.device))
+        if cfg is not None and cfg.route_once and tickets[0] is None:
+            tickets[0] = torch.zeros(16, dtype=torch.int32, device=x.device)
         return moe_decode(x, *w.values(), TOP_K, x, norm_weight=nw, eps=EPS, config=cfg,
                           pdl=True, tickets=tickets[0])  # fmt: skip
 
