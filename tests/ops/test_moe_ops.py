@@ -21,7 +21,6 @@ if not torch.cuda.is_available():
     # Kernels are built at import; tests/conftest.py normally sets this first.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from lily.bench.measure import capture_graph  # noqa: E402
 from lily.model.norm import rms_norm  # noqa: E402
 from lily.model.ref import ref_moe, ref_qlinear, ref_route  # noqa: E402
 from lily.ops.moe_decode import MoeDecodeConfig, moe_decode  # noqa: E402
@@ -29,7 +28,7 @@ from lily.ops.moe_decode_parts import topk_rows  # noqa: E402
 from lily.ops.moe_prefill import MoePrefillConfig, moe_prefill, moe_prefill_config  # noqa: E402
 from lily.ops.qgemm import GemmConfig  # noqa: E402
 from lily.quant import quantize  # noqa: E402
-from tests.ops.common import rel_err  # noqa: E402
+from tests.ops.common import rel_err, replayed  # noqa: E402
 
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 D, I_E, I_S = 192, 64, 128
@@ -284,18 +283,10 @@ def test_route_once_tickets_serve_every_layer_and_replay(device):
         return h, moe_decode(h, *ws[1].values(), 2, h, norm_weight=nw, config=hop, pdl=True,
                              tickets=tickets)  # fmt: skip
 
-    if device == "cuda":
-        graph, (h, out) = capture_graph(call)
-    for i in (1, 2):
-        x.copy_(xs[i])
-        if device == "cuda":
-            graph.replay()
-            torch.cuda.synchronize()
-        else:
-            h, out = call()
+    for xi, (h, out) in replayed(call, x, xs):
         assert torch.count_nonzero(tickets) == 0
         for r in range(2):
-            assert moe_err(h[r], ws[0], rms_norm(xs[i][r], nw, 1e-6), 2, xs[i][r]) < 2e-2
+            assert moe_err(h[r], ws[0], rms_norm(xi[r], nw, 1e-6), 2, xi[r]) < 2e-2
             assert moe_err(out[r], ws[1], rms_norm(h[r], nw, 1e-6), 2, h[r]) < 2e-2
 
 
@@ -313,16 +304,8 @@ def test_moe_decode_replays_on_new_tokens(device):
     def call():
         return moe_decode(x, *w.values(), 2, x, norm_weight=nw, config=WIDE, pdl=True)
 
-    if device == "cuda":
-        graph, out = capture_graph(call)
-    for i in (1, 2):
-        x.copy_(xs[i])
-        if device == "cuda":
-            graph.replay()
-            torch.cuda.synchronize()
-        else:
-            out = call()
-        assert moe_err(out, w, rms_norm(xs[i], nw, 1e-6), 2, xs[i]) < 2e-2
+    for xi, out in replayed(call, x, xs):
+        assert moe_err(out, w, rms_norm(xi, nw, 1e-6), 2, xi) < 2e-2
 
 
 @triton.jit

@@ -26,13 +26,12 @@ if not torch.cuda.is_available():
     # Kernels are built at import; tests/conftest.py normally sets this first.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from lily.bench.measure import capture_graph  # noqa: E402
 from lily.model.norm import rms_norm  # noqa: E402
 from lily.model.ref import ref_moe, ref_qlinear, ref_route  # noqa: E402
 from lily.ops.launch import cdiv  # noqa: E402
 from lily.ops.moe_decode import MoeDecodeConfig  # noqa: E402
 from lily.ops.moe_decode_rows import RowsPlan, moe_decode_rows, rows_fit  # noqa: E402
-from tests.ops.common import rel_err  # noqa: E402
+from tests.ops.common import rel_err, replayed  # noqa: E402
 from tests.ops.test_moe_ops import make_moe  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -155,16 +154,8 @@ def test_calls_reuse_nothing_and_replay(poison):
     def call():
         return moe_decode_rows(x, *w.values(), 2, x, norm_weight=nw, eps=EPS, pdl=True)
 
-    if DEV == "cuda":
-        graph, out = capture_graph(call)
-    for i in (1, 2):
-        x.copy_(xs[i])
-        if DEV == "cuda":
-            graph.replay()
-            torch.cuda.synchronize()
-        else:
-            out = call()
-        assert max(check_rows(out, xs[i], w, 2, nw, xs[i])) < BOUND
+    for xi, out in replayed(call, x, xs):
+        assert max(check_rows(out, xi, w, 2, nw, xi)) < BOUND
 
 
 def test_plan_sizes():

@@ -18,13 +18,12 @@ if not torch.cuda.is_available():
     # Kernels are built at import; tests/conftest.py normally sets this first.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from lily.bench.measure import capture_graph  # noqa: E402
 from lily.model.norm import rms_norm  # noqa: E402
 from lily.model.ref import ref_qlinear  # noqa: E402
 from lily.ops.qgemm import GemmConfig, gemm_config, qgemm  # noqa: E402
 from lily.ops.qgemv import GemvConfig, gemv_config, qgemv  # noqa: E402
 from lily.quant import QuantWeight, quantize  # noqa: E402
-from tests.ops.common import rel_err  # noqa: E402
+from tests.ops.common import rel_err, replayed  # noqa: E402
 
 DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 
@@ -88,16 +87,8 @@ def test_qgemv_split_k_replays(device):
         h = qgemv(x, w1, pdl=True)
         return qgemv(h, w, norm_weight=nw, config=cfg, out_dtype=torch.float32, pdl=True)
 
-    if device == "cuda":
-        graph, y = capture_graph(chain)
-    for i in (1, 2):
-        x.copy_(xs[i])
-        if device == "cuda":
-            graph.replay()
-            torch.cuda.synchronize()
-        else:
-            y = chain()
-        h = ref_qlinear(xs[i], w1).bfloat16()
+    for xi, y in replayed(chain, x, xs):
+        h = ref_qlinear(xi, w1).bfloat16()
         # bf16 h: a last-ulp rounding difference may pass through the norm (1e-3); a stale h
         # would be off by O(1).
         assert rel_err(y, ref_qlinear(rms_norm(h, nw, 1e-6), w)) < 1e-3
