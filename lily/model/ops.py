@@ -126,26 +126,30 @@ ROWS_MOE = False
 # warm-up run every batch size through this dispatch, so an entry is compiled and checked
 # there.
 # NOTE: MoeDecodeConfig needs Triton; without it the table stays empty (reference ops).
-# From 4 rows the entries route each row once in the router launch and let gate/up write
-# the down launch's operand (route_once, down_operand: each frees registers, so gate/up
-# takes 8 warps). Measured on the H100 (tenth session, bench/results/
-# moe_rows_route_h100_s10.json, us a layer, the earlier entry in brackets): 4 rows 43.2
-# (45.6), 8 rows 73.1 (78.6), both with a memset a call the engine does not make.
 MOE_ROWS_CONFIGS: dict[int, MoeDecodeConfig] = {} if not HAS_KERNELS else {
     2: MoeDecodeConfig(shared_rows=4, mma_rows=32, mma_warps=4, mma_down_rows=32,
                        mma_down_warps=8),
-    4: MoeDecodeConfig(router_rows=8, mma_rows=32, mma_down_rows=16, mma_down_warps=4,
-                       route_once=True, down_operand=True),
-    8: MoeDecodeConfig(router_rows=8, mma_rows=32, mma_down_rows=16, mma_down_warps=4,
-                       route_once=True, down_operand=True),
-}  # fmt: skip
-# The entries before route_once (rows_timeline's ``old_table`` variant times them).
-MOE_ROWS_OLD: dict[int, MoeDecodeConfig] = {} if not HAS_KERNELS else {
-    **MOE_ROWS_CONFIGS,
     4: MoeDecodeConfig(router_rows=8, mma_rows=32, mma_warps=4, mma_down_rows=32,
                        mma_down_warps=8),
     8: MoeDecodeConfig(router_rows=8, mma_rows=32, mma_warps=4, mma_down_rows=16,
                        mma_down_warps=4),
+}  # fmt: skip
+# The candidate entries at 4 and 8 rows: each row routed once in the router launch and the
+# down launch's operand written by gate/up (route_once, down_operand: each frees
+# registers, so gate/up takes 8 warps). Measured on the H100 (tenth session): a layer 43.2
+# (45.6) us at 4 rows and 73.1 (78.6) at 8 (bench/results/moe_rows_route_h100_s10.json),
+# the step 2.900 (3.078) and 4.593 (4.874) ms (rows_timeline_table_h100_s10.json). NOT
+# the default: with them the tiny model's batched step on the H100 left the one-row
+# step's logits by 10% at 4 rows (tests/runtime/test_batch_decode.py
+# test_kernel_rows_match_kernel_single_steps), where the CPU's interpreter gives 3e-3; to
+# find on the GPU first (docs/notes/batching.md, "Tenth session"). rows_timeline's
+# ``route_table`` variant times them.
+MOE_ROWS_ROUTE: dict[int, MoeDecodeConfig] = {} if not HAS_KERNELS else {
+    **MOE_ROWS_CONFIGS,
+    4: MoeDecodeConfig(router_rows=8, mma_rows=32, mma_down_rows=16, mma_down_warps=4,
+                       route_once=True, down_operand=True),
+    8: MoeDecodeConfig(router_rows=8, mma_rows=32, mma_down_rows=16, mma_down_warps=4,
+                       route_once=True, down_operand=True),
 }  # fmt: skip
 
 

@@ -51,10 +51,11 @@ def test_route_once_is_the_table_with_routing_once():
     assert model_ops.MOE_ROWS_CONFIGS is table
     with rows_timeline.switched("route_hop", runner):
         assert all(c.route_once and c.down_operand for c in model_ops.MOE_ROWS_CONFIGS.values())
-    with rows_timeline.switched("old_table", runner):
-        assert not any(c.route_once for c in model_ops.MOE_ROWS_CONFIGS.values())
-        assert model_ops.moe_rows_config(8).mma_warps == 4
-    assert model_ops.MOE_ROWS_CONFIGS is table and model_ops.moe_rows_config(8).route_once
+    with rows_timeline.switched("route_table", runner):
+        assert model_ops.moe_rows_config(8).route_once and model_ops.moe_rows_config(4).route_once
+        assert model_ops.moe_rows_config(8).mma_warps == 8
+        assert not model_ops.moe_rows_config(2).route_once
+    assert model_ops.MOE_ROWS_CONFIGS is table and not model_ops.moe_rows_config(8).route_once
 
 
 def test_an_unknown_variant_is_refused():

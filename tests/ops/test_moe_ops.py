@@ -291,6 +291,42 @@ def test_route_once_tickets_serve_every_layer_and_replay(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_the_route_entry_over_layers_at_the_tiny_model_shapes(device):
+    """The candidate 4-row entry (lily/model/ops.py MOE_ROWS_ROUTE: route_once and
+    down_operand, gate/up n32 w8, down n16 w4) at the tiny model's MoE shapes (D 128 in 2
+    groups, 8 experts, top 2, I and the shared I 64, one router program a row), four layers
+    in a row as a step runs them (one tickets buffer, PDL, one CUDA graph on the GPU),
+    replayed on new rows: every layer's every row against the reference MoE of its input.
+    The tiny model's batched step left the one-row step's logits by 10% on the H100 with
+    this entry (tenth session), where the interpreter agrees to 3e-3; this is the op alone."""
+    from lily.model.ops import MOE_ROWS_ROUTE
+
+    cfg = MOE_ROWS_ROUTE[4]
+    assert cfg.route_once and cfg.down_operand
+    ws = [make_moe(8, 4, 64, True, seed=80 + j, device=device, d=128, i_e=64, i_s=64)
+          for j in range(4)]  # fmt: skip
+    g = torch.Generator().manual_seed(81)
+    xs = [(2.0 * torch.randn(4, 128, generator=g)).bfloat16().to(device) for _ in range(3)]
+    nw = (1.0 + 0.2 * torch.randn(128, generator=g)).bfloat16().to(device)
+    x = xs[0].clone()
+    tickets = torch.zeros(16, dtype=torch.int32, device=device)
+
+    def step():
+        hs = [x]
+        for w in ws:
+            hs.append(moe_decode(hs[-1], *w.values(), 2, hs[-1], norm_weight=nw, config=cfg,
+                                 pdl=True, tickets=tickets))  # fmt: skip
+        return hs[1:]
+
+    for xi, outs in replayed(step, x, xs):
+        assert torch.count_nonzero(tickets) == 0
+        ins = [xi, *outs[:-1]]
+        for j, (w, h, y) in enumerate(zip(ws, ins, outs, strict=True)):
+            for r in range(4):
+                assert moe_err(y[r], w, rms_norm(h[r], nw, 1e-6), 2, h[r]) < 2e-2, (j, r)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_moe_decode_replays_on_new_tokens(device):
     """Two tokens through one captured call (a CUDA graph on the GPU, as the decode step
     runs, with programmatic dependent launch; two eager calls on the CPU, where ``pdl`` is a

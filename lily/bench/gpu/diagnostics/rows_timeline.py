@@ -11,7 +11,7 @@ qgemv/qgemm), ``rows_moe`` (the MoE on moe_decode_rows), ``rows_prep`` /
 ``no_rows_prep`` (the normed projections' rows prepared once, ROWS_PREP, or not),
 ``no_head_prep``, ``no_pow2``, ``route_once`` (the MoE's table tiles routing each row once
 in the router launch), ``route_hop`` (and gate/up writing the down launch's operand),
-``old_table`` (the MoE's table before route_once).
+``route_table`` (the MoE's candidate entries with both, lily/model/ops.py MOE_ROWS_ROUTE).
 
     python3 -m lily.bench.gpu.diagnostics.rows_timeline --rows 2,4,8 --out $OUT/rows.json
 """
@@ -43,7 +43,7 @@ SWITCHES = {
     # also with down_operand (gate/up writes the down launch's operand)
     "route_once": {"MOE_ROWS_CONFIGS": {b: dataclasses.replace(c, route_once=True)
                                         for b, c in ops_mod.MOE_ROWS_CONFIGS.items()}},
-    "old_table": {"MOE_ROWS_CONFIGS": ops_mod.MOE_ROWS_OLD},
+    "route_table": {"MOE_ROWS_CONFIGS": ops_mod.MOE_ROWS_ROUTE},
     "route_hop": {"MOE_ROWS_CONFIGS": {
         b: dataclasses.replace(c, route_once=True, down_operand=True)
         for b, c in ops_mod.MOE_ROWS_CONFIGS.items()}},
