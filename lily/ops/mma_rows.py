@@ -100,14 +100,20 @@ def k_order(j, WPL: tl.constexpr):
 
 
 @triton.jit
+def batch_groups(G: tl.constexpr, W: tl.constexpr):
+    """The group each MMA batch holds (G,): batch gh * W + gw holds group gw * GH + gh (a
+    warp's groups are contiguous; ``mma_tile``)."""
+    o_b = tl.arange(0, G)
+    return (o_b % W) * (G // W) + o_b // W
+
+
+@triton.jit
 def rows_prepped(p_op, p_sum, G: tl.constexpr, GROUP: tl.constexpr, XR: tl.constexpr,
                  W: tl.constexpr, NC: tl.constexpr, ON_CPU: tl.constexpr):  # fmt: skip
     """A prepared operand (``_rows_prep_kernel``: (G, GROUP, XR) bf16 in the codes' K order
     a group, sums (G, XR) fp32) as ``rows_operand`` and ``to_columns`` give it: batch
     gh * W + gw holds group gw * GH + gh."""
-    GH: tl.constexpr = G // W
-    o_b = tl.arange(0, G)
-    g = (o_b % W) * GH + o_b // W
+    g = batch_groups(G, W)
     o_f = tl.arange(0, GROUP * XR)
     b_xb = tl.reshape(tl.load(p_op + g[:, None] * (GROUP * XR) + o_f[None, :]), (G, GROUP, XR))
     if ON_CPU:
@@ -131,9 +137,7 @@ def row_operand(p_op, G: tl.constexpr, GROUP: tl.constexpr, NG, W: tl.constexpr,
     """One row stored by ``prep_store``'s layout without its sums (G, GROUP) bf16, groups
     past NG read as zeros, as ``mma_x`` gives one bf16 row: the operand over the MMA's 8
     columns (G, GROUP, 8) and the group sums (G,), summed here."""
-    GH: tl.constexpr = G // W
-    o_b = tl.arange(0, G)
-    g = (o_b % W) * GH + o_b // W
+    g = batch_groups(G, W)
     o_f = tl.arange(0, GROUP)
     b_x = tl.load(p_op + g[:, None] * GROUP + o_f[None, :], mask=(g < NG)[:, None], other=0.0)
     b_xs = tl.sum(b_x.to(tl.float32), axis=1)

@@ -302,9 +302,10 @@ class MoeDecodeConfig:
     warps (they split K), the down launch with mma_down_rows on mma_down_warps (None: the
     same; its grid is D / rows against gate/up's k * I / rows); else the FMA kernels.
     route_once (tensor-core path, bf16 x): the router launch's last router program of each
-    row takes the row's top-k and writes x' as a prepared operand, so the gate/up programs
-    read their expert and x' instead of each sorting the E logits and norming and permuting
-    x (``moe_decode_parts.route_once``); the ticket it takes sits on the chain.
+    row takes the row's top-k, and its shared-gate program (else that last program) writes
+    x' as a prepared operand, so the gate/up programs read their expert and x' instead of
+    each sorting the E logits and norming and permuting x (``moe_decode_parts.route_once``);
+    the ticket it takes sits on the chain.
     down_operand (with route_once): the gate/up programs write h times its routing weight,
     rounded to bf16 (as moe_prefill stores it), as the down launch's operand in the codes'
     K order, so the down programs load it where each built it from fp32 h in three bf16

@@ -71,14 +71,29 @@ def slot_expert(p_logits, p_ids, p_wts, E, slot, pid, TOP_K: tl.constexpr,
                 BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
     """A gate/up program's routing, after its PDL wait: the top-k of the E logits, written
     to p_ids / p_wts by program 0 for the down launch; returns this slot's expert (int64)."""
-    o_e = tl.arange(0, BLOCK_E)
     o_k = tl.arange(0, BLOCK_K)
-    b_l = tl.load(p_logits + o_e, mask=o_e < E, other=0.0)
-    ids, wts = topk_rows(b_l[None, :], E, TOP_K, BLOCK_K)
+    ids, wts = row_topk(p_logits, E, TOP_K, BLOCK_K, BLOCK_E, "")
     if pid == 0:
-        tl.store(p_ids + o_k[None, :], ids, mask=(o_k < TOP_K)[None, :])
-        tl.store(p_wts + o_k[None, :], wts, mask=(o_k < TOP_K)[None, :])
+        write_pairs(p_ids, p_wts, ids, wts, TOP_K, BLOCK_K)
     return tl.sum(tl.sum(tl.where(o_k[None, :] == slot, ids, 0), axis=1), axis=0).to(tl.int64)
+
+
+@triton.jit
+def row_topk(p_logits, E, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+             CACHE: tl.constexpr):  # fmt: skip
+    """The top-k (ids, weights, each (1, BLOCK_K)) of one row's E logits, loaded with
+    cache modifier CACHE."""
+    o_e = tl.arange(0, BLOCK_E)
+    b_l = tl.load(p_logits + o_e, mask=o_e < E, other=0.0, cache_modifier=CACHE)
+    return topk_rows(b_l[None, :], E, TOP_K, BLOCK_K)
+
+
+@triton.jit
+def write_pairs(p_ids, p_wts, ids, wts, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A row's k (expert, weight) pairs (``row_topk``'s) for the down launch."""
+    o_k = tl.arange(0, BLOCK_K)
+    tl.store(p_ids + o_k[None, :], ids, mask=(o_k < TOP_K)[None, :])
+    tl.store(p_wts + o_k[None, :], wts, mask=(o_k < TOP_K)[None, :])
 
 
 @triton.jit
@@ -108,13 +123,9 @@ def route_once(
     tl.debug_barrier()
     ticket = tl.atomic_add(p_ticket, 1, sem="acq_rel")
     if ticket == PROGS - 1:
-        o_e = tl.arange(0, BLOCK_E)
-        o_k = tl.arange(0, BLOCK_K)
         # .cg: past L1, the other programs' logits were written by other SMs
-        b_l = tl.load(p_logits + o_e, mask=o_e < E, other=0.0, cache_modifier=".cg")
-        ids, wts = topk_rows(b_l[None, :], E, TOP_K, BLOCK_K)
-        tl.store(p_ids + o_k[None, :], ids, mask=(o_k < TOP_K)[None, :])
-        tl.store(p_wts + o_k[None, :], wts, mask=(o_k < TOP_K)[None, :])
+        ids, wts = row_topk(p_logits, E, TOP_K, BLOCK_K, BLOCK_E, ".cg")
+        write_pairs(p_ids, p_wts, ids, wts, TOP_K, BLOCK_K)
         tl.atomic_xchg(p_ticket, 0)  # left at zero for the next call
         if PREP:
             prep_row(p_x, p_nw, eps, p_op, p_sum, GROUP, NG, G, HAS_NORM, ON_CPU)
