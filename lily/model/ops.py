@@ -117,39 +117,40 @@ ROWS_MOE = False
 
 # moe_decode's tile in a batched decode step of B rows: the entry of the largest key <= B
 # (keys 2 to MAX_ROWS; none: MoeDecodeConfig's defaults, tuned for one row, where the grid
-# must be wide to fill the SMs). Empty until measured: the figures are to come from
-# `lily bench --run kernels.moe_rows -- --variants` on the H200, which prints each B's
-# fastest tile as an entry of this table. Measured on the H200 on 2026-12-02
+# must be wide to fill the SMs). `lily bench --run kernels.moe_rows -- --variants` prints
+# each B's fastest tile as an entry of this table. Measured on the H200 on 2026-12-02
 # (bench/results/moe_rows_sweep_h200_s6.json, us a layer against the one-row defaults):
 # 2 rows 24.8 (27.0), 4 rows 42.0 (47.4), 8 rows 75.1 (88.0), 16 rows 137.9 (168.3); the
 # byte floor at 8 rows is 24.4. The compile matrix (lily/ops/launchable.py) and the
 # warm-up run every batch size through this dispatch, so an entry is compiled and checked
 # there.
 # NOTE: MoeDecodeConfig needs Triton; without it the table stays empty (reference ops).
+# At 4 and 8 rows each row is routed once in the router launch and the down launch's
+# operand is written by gate/up (route_once, down_operand: each frees registers, so gate/up
+# takes 8 warps). Measured on the H100 (tenth session; the H200 was not lent): a layer 43.2
+# (45.6 with MOE_ROWS_EVERY's entry) us at 4 rows and 73.1 (78.6) at 8
+# (bench/results/moe_rows_route_h100_s10.json), the step 2.900 (3.078) and 4.593 (4.874) ms
+# (rows_timeline_table_h100_s10.json). Their h is rounded to bf16 before down (as
+# moe_prefill rounds it), so the batched step is no longer bitwise the one-row step's: on
+# the plain tiny model, rounding-chaotic, that showed as 10% at one row where the one-row
+# step itself was 10% off fp32 and the batched one 1.5%; on the conditioned model 0.3-0.4%
+# (eleventh session, bench/results/route_debug_h100_s11.txt; docs/notes/batching.md).
 MOE_ROWS_CONFIGS: dict[int, MoeDecodeConfig] = {} if not HAS_KERNELS else {
     2: MoeDecodeConfig(shared_rows=4, mma_rows=32, mma_warps=4, mma_down_rows=32,
                        mma_down_warps=8),
-    4: MoeDecodeConfig(router_rows=8, mma_rows=32, mma_warps=4, mma_down_rows=32,
-                       mma_down_warps=8),
-    8: MoeDecodeConfig(router_rows=8, mma_rows=32, mma_warps=4, mma_down_rows=16,
-                       mma_down_warps=4),
-}  # fmt: skip
-# The candidate entries at 4 and 8 rows: each row routed once in the router launch and the
-# down launch's operand written by gate/up (route_once, down_operand: each frees
-# registers, so gate/up takes 8 warps). Measured on the H100 (tenth session): a layer 43.2
-# (45.6) us at 4 rows and 73.1 (78.6) at 8 (bench/results/moe_rows_route_h100_s10.json),
-# the step 2.900 (3.078) and 4.593 (4.874) ms (rows_timeline_table_h100_s10.json). NOT
-# the default: with them the tiny model's batched step on the H100 left the one-row
-# step's logits by 10% at 4 rows (tests/runtime/test_batch_decode.py
-# test_kernel_rows_match_kernel_single_steps), where the CPU's interpreter gives 3e-3; to
-# find on the GPU first (docs/notes/batching.md, "Tenth session"). rows_timeline's
-# ``route_table`` variant times them.
-MOE_ROWS_ROUTE: dict[int, MoeDecodeConfig] = {} if not HAS_KERNELS else {
-    **MOE_ROWS_CONFIGS,
     4: MoeDecodeConfig(router_rows=8, mma_rows=32, mma_down_rows=16, mma_down_warps=4,
                        route_once=True, down_operand=True),
     8: MoeDecodeConfig(router_rows=8, mma_rows=32, mma_down_rows=16, mma_down_warps=4,
                        route_once=True, down_operand=True),
+}  # fmt: skip
+# The earlier entries at 4 and 8 rows (every gate/up program routes its row; h exact into
+# down), kept for rows_timeline's ``every_table`` variant.
+MOE_ROWS_EVERY: dict[int, MoeDecodeConfig] = {} if not HAS_KERNELS else {
+    **MOE_ROWS_CONFIGS,
+    4: MoeDecodeConfig(router_rows=8, mma_rows=32, mma_warps=4, mma_down_rows=32,
+                       mma_down_warps=8),
+    8: MoeDecodeConfig(router_rows=8, mma_rows=32, mma_warps=4, mma_down_rows=16,
+                       mma_down_warps=4),
 }  # fmt: skip
 
 

@@ -40,22 +40,14 @@ def test_a_variant_switches_and_restores(monkeypatch):
     assert model_ops.ROWS_PREP_HEAD is True
 
 
-def test_route_once_is_the_table_with_routing_once():
+def test_every_table_is_the_earlier_moe_entries():
     table = model_ops.MOE_ROWS_CONFIGS
-    runner = _Runner()
-    with rows_timeline.switched("route_once", runner):
-        got = model_ops.MOE_ROWS_CONFIGS
-        assert got.keys() == table.keys() and all(c.route_once for c in got.values())
-        assert {b: c.mma_rows for b, c in got.items()} == {b: c.mma_rows for b, c in table.items()}
-        assert model_ops.moe_rows_config(8).route_once
+    assert model_ops.moe_rows_config(8).route_once and model_ops.moe_rows_config(4).down_operand
+    with rows_timeline.switched("every_table", _Runner()):
+        assert model_ops.MOE_ROWS_CONFIGS is model_ops.MOE_ROWS_EVERY
+        assert not any(model_ops.moe_rows_config(b).route_once for b in (2, 4, 8))
+        assert model_ops.moe_rows_config(8).mma_warps == 4
     assert model_ops.MOE_ROWS_CONFIGS is table
-    with rows_timeline.switched("route_hop", runner):
-        assert all(c.route_once and c.down_operand for c in model_ops.MOE_ROWS_CONFIGS.values())
-    with rows_timeline.switched("route_table", runner):
-        assert model_ops.moe_rows_config(8).route_once and model_ops.moe_rows_config(4).route_once
-        assert model_ops.moe_rows_config(8).mma_warps == 8
-        assert not model_ops.moe_rows_config(2).route_once
-    assert model_ops.MOE_ROWS_CONFIGS is table and not model_ops.moe_rows_config(8).route_once
 
 
 def test_an_unknown_variant_is_refused():

@@ -40,6 +40,17 @@ def checkpoint(tmp_path_factory):
     return d
 
 
+@pytest.fixture(scope="module")
+def conditioned(tmp_path_factory):
+    """The tiny model with the benchmark's well-conditioned weights (lily/bench/
+    conditioned.py): bf16 rounded in another order stays near, where the plain random
+    weights are rounding-chaotic (the one-row bf16 step was seen 10% off fp32 at a row)."""
+    d = tmp_path_factory.mktemp("batch-decode-conditioned")
+    write_random_checkpoint(d, TINY_TEXT_CONFIG, "mlx4", seed=5, init="conditioned",
+                            progress=False)  # fmt: skip
+    return d
+
+
 def new_state(model: Model, limit: int = 1024) -> SessionState:
     return SessionState.new(model.cfg, model.device, model.dtype, limit)
 
@@ -128,11 +139,14 @@ def test_batched_step_checks_its_rows(checkpoint):
 # (tests/ops/test_batch_decode_ops.py).
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the whole model on the kernels: GPU")
 @pytest.mark.parametrize("graphs", [False, True], ids=lambda g: f"graphs={g}")
-def test_kernel_rows_match_kernel_single_steps(checkpoint, graphs):
+def test_kernel_rows_match_kernel_single_steps(conditioned, graphs):
     """The kernels' batched step (B-row GEMVs, the MoE over rows routed apart, each row's
     mixers on its own state through the row tables, one graph per batch size) against the
-    kernels' one-sequence step, in bf16, while rows leave and others take their places."""
-    model = model_from(checkpoint, torch.bfloat16, kernels=True, device="cuda")
+    kernels' one-sequence step, in bf16, while rows leave and others take their places: on
+    the conditioned tiny model, within issue 22's bar (relative L2 1e-2, the same top-1).
+    The batched MoE's 4-row entry rounds h to bf16 (route_once with down_operand), so the
+    step is not bitwise the one-row step's; on the H100 it stayed within 0.43%."""
+    model = model_from(conditioned, torch.bfloat16, kernels=True, device="cuda")
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [300, 301], list(range(40, 340))]
     runner = Runner(model, 16, use_graphs=graphs)
     singles, states = [], []
@@ -149,7 +163,8 @@ def test_kernel_rows_match_kernel_single_steps(checkpoint, graphs):
         for i, r in enumerate(live):
             want = runner.decode(toks[r], singles[r])
             err = float((out[i].double() - want.double()).norm() / want.double().norm())
-            assert err <= 2e-2, (step, r, err)  # bf16 roundings in another order
+            assert err <= 1e-2, (step, r, err)  # bf16 roundings in another order
+            assert int(out[i].argmax()) == int(want.argmax()), (step, r)
             toks[r] = int(want.argmax())
     if graphs:
         assert {k[:2] for k in runner.graphs if k[0] == "rows"} == {("rows", 3), ("rows", 4)}

@@ -9,9 +9,8 @@ and the one-row step's replay for scale. ``--variants`` repeats it with the batc
 switches of lily/model/ops.py changed, in the same process: ``no_rows_mma`` (projections on
 qgemv/qgemm), ``rows_moe`` (the MoE on moe_decode_rows), ``rows_prep`` /
 ``no_rows_prep`` (the normed projections' rows prepared once, ROWS_PREP, or not),
-``no_head_prep``, ``no_pow2``, ``route_once`` (the MoE's table tiles routing each row once
-in the router launch), ``route_hop`` (and gate/up writing the down launch's operand),
-``route_table`` (the MoE's candidate entries with both, lily/model/ops.py MOE_ROWS_ROUTE).
+``no_head_prep``, ``no_pow2``, ``every_table`` (the MoE's earlier entries, every gate/up
+program routing its row: lily/model/ops.py MOE_ROWS_EVERY).
 
     python3 -m lily.bench.gpu.diagnostics.rows_timeline --rows 2,4,8 --out $OUT/rows.json
 """
@@ -20,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import time
 
 import torch
@@ -39,14 +37,7 @@ SWITCHES = {
     "no_rows_prep": {"ROWS_PREP": False},
     "no_head_prep": {"ROWS_PREP_HEAD": False},
     "no_pow2": {"OPERAND_POW2": False},
-    # the MoE's table tiles with route_once (the router launch routes each row once), and
-    # also with down_operand (gate/up writes the down launch's operand)
-    "route_once": {"MOE_ROWS_CONFIGS": {b: dataclasses.replace(c, route_once=True)
-                                        for b, c in ops_mod.MOE_ROWS_CONFIGS.items()}},
-    "route_table": {"MOE_ROWS_CONFIGS": ops_mod.MOE_ROWS_ROUTE},
-    "route_hop": {"MOE_ROWS_CONFIGS": {
-        b: dataclasses.replace(c, route_once=True, down_operand=True)
-        for b, c in ops_mod.MOE_ROWS_CONFIGS.items()}},
+    "every_table": {"MOE_ROWS_CONFIGS": ops_mod.MOE_ROWS_EVERY},
 }  # fmt: skip
 
 
