@@ -28,18 +28,25 @@ def test_the_loop_counts_one_token_a_row_a_step_and_leaves_the_batch_empty():
     assert r["replay_ms"] is None  # (no graphs on the CPU)
 
 
+def _spins(seconds: float) -> int:
+    t0, n = time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds:
+        n += 1
+    return n
+
+
 def test_the_busy_thread_holds_the_gil_about_its_share():
-    stop = threading.Event()
-    th = busy_thread(600, stop)
-    t0, spins = time.perf_counter(), 0
-    while time.perf_counter() - t0 < 0.2:
-        spins += 1
-    stop.set()
-    th.join(2)
-    assert not th.is_alive()
-    # (a main loop alone for 0.2 s spins far more often than beside a thread holding the
-    # GIL for 0.6 ms of every ms; only the direction is asserted)
-    t0, alone = time.perf_counter(), 0
-    while time.perf_counter() - t0 < 0.2:
-        alone += 1
-    assert spins < alone
+    # (a main loop alone spins far more often than beside a thread holding the GIL for
+    # 0.6 ms of every ms; only the direction is asserted, each side's best of three runs
+    # taken in turn, so that a loaded machine slowing one run does not decide it: on the
+    # GPU machine, beside the suite's other workers, one run alone was seen slower)
+    busy, alone = [], []
+    for _ in range(3):
+        stop = threading.Event()
+        th = busy_thread(600, stop)
+        busy.append(_spins(0.1))
+        stop.set()
+        th.join(2)
+        assert not th.is_alive()
+        alone.append(_spins(0.1))
+    assert max(busy) < max(alone), (busy, alone)
