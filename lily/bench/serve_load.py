@@ -28,7 +28,8 @@ from typing import Any
 
 from lily.bench.serve_clients import MODEL, Load, Stream
 
-__all__ = ["MODEL", "Load", "Server", "Stream", "bars", "busy_ttft", "markdown", "rounds"]
+__all__ = ["MODEL", "Load", "Server", "Stream", "bars", "busy_ttft", "markdown", "plot", "rounds",
+           "series"]  # fmt: skip
 
 
 class Server:
@@ -180,6 +181,65 @@ def bars(result: dict) -> dict:
         "busy TTFT <= 2x idle": ratio <= 2.0 if ratio is not None else None,
         "no gap > 100 ms meanwhile": gap <= 0.1 if gap is not None else None,
     }
+
+
+def series(result: dict) -> dict:
+    """What ``plot`` draws, from the rounds that ran: the stream counts, total tok/s, the
+    slowest and the median stream's tok/s, and one stream's total times the count (every
+    stream as fast as one alone; None without a one-stream round)."""
+    ran = sorted((r for r in result["rounds"] if "total_tok_s" in r),
+                 key=lambda r: r["concurrency"])  # fmt: skip
+    c = [r["concurrency"] for r in ran]
+    one = next((r["total_tok_s"] for r in ran if r["concurrency"] == 1), None)
+    return {
+        "streams": c,
+        "total": [r["total_tok_s"] for r in ran],
+        "min_stream": [r["min_stream_tok_s"] for r in ran],
+        "median_stream": [r["median_stream_tok_s"] for r in ran],
+        "linear": [one * n for n in c] if one else None,
+    }
+
+
+def plot(result: dict, path: str, gpu: str | None = None) -> bool:
+    """Total and per-stream decode tok/s against the stream count, with the issue's bars
+    (2.0x one stream at 4, 3.0x at 8, 250 tok/s a stream), as a PNG at ``path``; False
+    when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    s = series(result)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    left.plot(s["streams"], s["total"], marker="o", label="total")
+    if s["linear"]:
+        left.plot(s["streams"], s["linear"], ls=":", color="grey", label="one stream x n")
+        one = s["linear"][0] / s["streams"][0]
+        left.scatter([4, 8], [2.0 * one, 3.0 * one], marker="_", s=400, color="red",
+                     label="bars: 2.0x at 4, 3.0x at 8")  # fmt: skip
+    left.set_title("total decode")
+    right.plot(s["streams"], s["median_stream"], marker="o", label="median stream")
+    right.plot(s["streams"], s["min_stream"], marker="v", label="slowest stream")
+    right.axhline(250, color="red", ls="--", label="bar: 250 tok/s each at 8")
+    right.set_title("each stream")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(s["streams"], [str(c) for c in s["streams"]])
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel("tokens / s")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    b = result.get("ttft") or {}
+    note = (f"; a new {b['prompt_tokens']}-token prompt: TTFT {_f(b.get('idle_ttft_median_s'))} s"
+            f" idle, {_f(b.get('busy_ttft_s'))} s beside {b['busy_streams']} streams"
+            if b else "")  # fmt: skip
+    fig.suptitle(f"lily serve, concurrent streams{' on ' + gpu if gpu else ''}{note}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
 
 
 def _f(v, digits: int = 3, scale: float = 1.0) -> str:

@@ -51,10 +51,11 @@ def test_a_stream_of_mostly_textless_tokens_is_an_error_not_a_rate():
 def test_the_script_runs_on_the_cpu(tmp_path, sampled):
     from lily.bench.gpu.e2e.concurrency import main
 
-    out, md = tmp_path / "c.json", tmp_path / "c.md"
+    out, md, png = tmp_path / "c.json", tmp_path / "c.md", tmp_path / "c.png"
     assert main(["--tiny", "--concurrency", "1,2", "--prompt", "12", "--max-tokens", "6",
                  "--busy", "2", "--busy-tokens", "400", "--repeats", "1", "--no-warmup",
-                 "--out", str(out), "--md", str(md)] + ["--sampled"] * sampled) == 0  # fmt: skip
+                 "--out", str(out), "--md", str(md), "--png", str(png)]
+                + ["--sampled"] * sampled) == 0  # fmt: skip
     res = json.loads(out.read_text())
     assert [r["concurrency"] for r in res["rounds"]] == [1, 2]
     for r in res["rounds"]:
@@ -63,6 +64,7 @@ def test_the_script_runs_on_the_cpu(tmp_path, sampled):
     t = res["ttft"]
     assert t["errors"] == [] and t["busy_ttft_s"] > 0 and t["idle_ttft_median_s"] > 0
     assert "| 2 |" in md.read_text() and "Bars (issue 22)" in md.read_text()
+    assert png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_a_run_cut_after_its_rounds_keeps_them(tmp_path, monkeypatch):
@@ -152,3 +154,43 @@ def test_a_dead_or_hung_client_process_is_an_error_not_a_hang():
             again = load.run([7, 8], 2)
             assert again.pid not in (0, procs[0].pid, procs[1].pid)
             assert again.error == "the client process gave no result in 1 s: killed"
+
+
+ROUNDS = [{"concurrency": 2, "total_tok_s": 180.0, "min_stream_tok_s": 88.0,
+           "median_stream_tok_s": 90.0, "max_gap_s": 0.01, "ttft_s": [0.2, 0.3]},
+          {"concurrency": 1, "total_tok_s": 100.0, "min_stream_tok_s": 100.0,
+           "median_stream_tok_s": 100.0, "max_gap_s": 0.01, "ttft_s": [0.1]},
+          {"concurrency": 4, "errors": ["APIError: boom"]}]  # fmt: skip
+TTFT = {"prompt_tokens": 64, "busy_streams": 7, "idle_ttft_median_s": 0.1, "busy_ttft_s": 0.15,
+        "ratio": 1.5, "max_gap_during_prefill_s": 0.02, "busy_rate_during_prefill_tok_s": 90.0}
+
+
+def test_the_plot_draws_the_rounds_that_ran_in_order(tmp_path):
+    from lily.bench.serve_load import plot, series
+
+    s = series({"rounds": ROUNDS})
+    assert s == {"streams": [1, 2], "total": [100.0, 180.0], "min_stream": [100.0, 88.0],
+                 "median_stream": [100.0, 90.0], "linear": [100.0, 200.0]}  # fmt: skip
+    assert series({"rounds": ROUNDS[:1]})["linear"] is None  # no one-stream round
+    png = tmp_path / "c.png"
+    assert plot({"rounds": ROUNDS, "ttft": TTFT}, str(png), "a GPU")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_render_draws_a_saved_json_again_and_refuses_others(tmp_path, capsys):
+    from lily.bench.gpu.e2e.concurrency import main
+
+    saved = tmp_path / "c.json"
+    saved.write_text(json.dumps({"env": {"gpu": "a GPU"}, "rounds": ROUNDS, "ttft": TTFT}))
+    md, png = tmp_path / "c.md", tmp_path / "c.png"
+    assert main(["--render", str(saved), "--md", str(md), "--png", str(png)]) == 0
+    text = md.read_text()
+    assert "| 2 | 180.0 | 1.80 | 88.0 | 90.0 | 10 | 0.300 |" in text
+    assert "| 4 | failed: ['APIError: boom'] |" in text and "0.150 s while 7 streams" in text
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    other = tmp_path / "bench.json"
+    other.write_text(json.dumps({"schema": "lily.bench/1"}))
+    assert main(["--render", str(other)]) == 2
+    assert main(["--render", str(tmp_path / "missing.json")]) == 2
+    err = capsys.readouterr().err
+    assert "not this script's JSON (no rounds)" in err and "missing.json" in err

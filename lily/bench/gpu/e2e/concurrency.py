@@ -1,7 +1,9 @@
 """Concurrent clients on `lily serve` (continuous batching) with the official openai client.
 
 Total and per-stream decode tok/s at 1, 2, 4, 8 streams, a 4K prompt's time to first token
-while 7 streams decode against idle, the streams' longest gap meanwhile; JSON and Markdown.
+while 7 streams decode against idle, the streams' longest gap meanwhile; JSON, Markdown and
+a PNG plot (``--png``; ``--render`` draws the Markdown and the plot again from a JSON, e.g.
+where matplotlib is, when the GPU machine has none).
 
 The server runs in this process (uvicorn in a thread; each stream's client in a process of
 its own) over the full-size random model on the kernels, with ``lily serve``'s defaults but
@@ -11,7 +13,9 @@ CUDA-graph captures per batch size), then the measured pass. ``--tiny`` runs the
 the CPU with the tiny random model (a check of the script, not a measurement).
 
     lily bench --run e2e.concurrency -- --out bench/results/concurrency_h200.json \\
-        --md bench/results/concurrency_h200.md
+        --md bench/results/concurrency_h200.md --png bench/results/concurrency_h200.png
+    lily bench --run e2e.concurrency -- --render bench/results/concurrency_h200.json \\
+        --png bench/results/concurrency_h200.png
 """
 
 from __future__ import annotations
@@ -63,7 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="the tiny random model on the CPU")
     ap.add_argument("--out", help="JSON results")
     ap.add_argument("--md", help="Markdown results")
+    ap.add_argument("--png", help="the plot (needs matplotlib)")
+    ap.add_argument("--render", metavar="JSON", help="no run: --md and --png from this JSON")
     args = ap.parse_args(argv)
+    if args.render:
+        return _render(args)
 
     import torch
 
@@ -113,13 +121,38 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.close()
     result["bars"] = serve_load.bars(result)
-    md = serve_load.markdown(result, result["bars"])
-    print(md)
     _write(args, device, result)
+    return _outputs(args, result, torch.cuda.get_device_name() if device == "cuda" else "CPU")
+
+
+def _outputs(args, result: dict, gpu: str | None) -> int:
+    """Print the Markdown; write it to --md and the plot to --png where asked."""
+    from lily.bench import serve_load
+
+    md = serve_load.markdown(result, serve_load.bars(result))
+    print(md)
     if args.md:
         with open(args.md, "w") as f:
             f.write(md)
+    if args.png and not serve_load.plot(result, args.png, gpu):
+        print(f"(matplotlib is not installed: no PNG; draw it elsewhere with --render "
+              f"{args.out or 'the JSON'} --png {args.png})", file=sys.stderr)  # fmt: skip
     return 0
+
+
+def _render(args) -> int:
+    """``--render``: the Markdown and the plot of a JSON this script wrote."""
+    try:
+        with open(args.render) as f:
+            result = json.load(f)
+    except (OSError, ValueError) as e:
+        print(f"e2e.concurrency: cannot render {args.render}: {e}", file=sys.stderr)
+        return 2
+    if not isinstance(result, dict) or not isinstance(result.get("rounds"), list):
+        print(f"e2e.concurrency: cannot render {args.render}: not this script's JSON (no "
+              f"rounds)", file=sys.stderr)  # fmt: skip
+        return 2
+    return _outputs(args, result, (result.get("env") or {}).get("gpu"))
 
 
 def _write(args, device: str, result: dict) -> None:
