@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import importlib.metadata
+import os
 import platform
 import statistics
 import subprocess
@@ -52,7 +53,10 @@ def _git(*args: str) -> str | None:
 
 
 def env_info(device: str) -> dict:
-    """GPU, driver, library versions, git commit and date for the JSON report."""
+    """GPU, driver, library versions, git commit and date for the JSON report.
+
+    ``LILY_GIT_COMMIT``, where set, is the commit (and the tree's state unknown: None): a
+    copy of a working tree can carry stale git metadata (the lent GPU machine's does)."""
     info = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "host": platform.node(),
@@ -64,6 +68,8 @@ def env_info(device: str) -> dict:
         "git_commit": _git("rev-parse", "HEAD"),
         "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
     }
+    if os.environ.get("LILY_GIT_COMMIT"):
+        info["git_commit"], info["git_dirty"] = os.environ["LILY_GIT_COMMIT"], None
     for pkg in ("torch", "triton", "transformers", "mlx", "mlx-cuda", "mlx-cuda-13", "mlx-lm"):
         info[pkg.replace("-", "_")] = _version(pkg)
     if device.startswith("cuda") and torch.cuda.is_available():

@@ -145,3 +145,15 @@ def test_a_gpu_script_that_exits_with_a_message_shows_it(capsys):
 
     assert gpu.run("kernels.mixer", ["--only", "nope"]) == 1
     assert "unknown section(s) ['nope']" in capsys.readouterr().err
+
+
+def test_the_results_name_the_commit_they_are_told(monkeypatch):
+    # (a copied working tree's git metadata can be stale: LILY_GIT_COMMIT says which code ran)
+    from lily.bench.measure import env_info
+
+    monkeypatch.delenv("LILY_GIT_COMMIT", raising=False)
+    here = env_info("cpu")
+    assert len(here["git_commit"]) == 40 and isinstance(here["git_dirty"], bool)
+    monkeypatch.setenv("LILY_GIT_COMMIT", "76648b9")
+    told = env_info("cpu")
+    assert told["git_commit"] == "76648b9" and told["git_dirty"] is None
