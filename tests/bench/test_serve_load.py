@@ -162,7 +162,8 @@ ROUNDS = [{"concurrency": 2, "total_tok_s": 180.0, "min_stream_tok_s": 88.0,
            "median_stream_tok_s": 100.0, "max_gap_s": 0.01, "ttft_s": [0.1]},
           {"concurrency": 4, "errors": ["APIError: boom"]}]  # fmt: skip
 TTFT = {"prompt_tokens": 64, "busy_streams": 7, "idle_ttft_median_s": 0.1, "busy_ttft_s": 0.15,
-        "ratio": 1.5, "max_gap_during_prefill_s": 0.02, "busy_rate_during_prefill_tok_s": 90.0}  # fmt: skip
+        "ratio": 1.5, "max_gap_during_prefill_s": 0.02,
+        "busy_rate_during_prefill_tok_s": 90.0}  # fmt: skip
 
 
 def test_the_plot_draws_the_rounds_that_ran_in_order(tmp_path):
