@@ -195,4 +195,3 @@ def test_render_draws_a_saved_json_again_and_refuses_others(tmp_path, capsys):
     assert main(["--render", str(tmp_path / "missing.json")]) == 2
     err = capsys.readouterr().err
     assert "not this script's JSON (no rounds)" in err and "missing.json" in err
-
