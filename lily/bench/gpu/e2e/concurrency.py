@@ -121,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.close()
     result["bars"] = serve_load.bars(result)
-    _write(args, device, result)
-    return _outputs(args, result, torch.cuda.get_device_name() if device == "cuda" else "CPU")
+    env = _write(args, device, result)
+    return _outputs(args, result, env["gpu"])
 
 
 def _outputs(args, result: dict, gpu: str | None) -> int:
@@ -155,13 +155,16 @@ def _render(args) -> int:
     return _outputs(args, result, (result.get("env") or {}).get("gpu"))
 
 
-def _write(args, device: str, result: dict) -> None:
-    """The JSON of ``--out`` (none without it), with the run's environment and arguments."""
+def _write(args, device: str, result: dict) -> dict:
+    """The JSON of ``--out`` (none without it), with the run's environment and arguments;
+    returns that environment."""
     from lily.bench.measure import env_info
 
+    env = env_info(device)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"env": env_info(device), "args": vars(args), **result}, f, indent=1)
+            json.dump({"env": env, "args": vars(args), **result}, f, indent=1)
+    return env
 
 
 if __name__ == "__main__":
