@@ -310,6 +310,10 @@ class MoeDecodeConfig:
     rounded to bf16 (as moe_prefill stores it), as the down launch's operand in the codes'
     K order, so the down programs load it where each built it from fp32 h in three bf16
     terms.
+    down_early (with down_operand): the down programs load their experts' tiles before
+    their PDL wait. The router launch wrote the expert ids two launches back, so they are
+    there once the gate/up launch lets down start, and down's first programs stream their
+    weights in the gate/up launch's last wave instead of after it.
     """
 
     router_rows: int = 4
@@ -325,6 +329,7 @@ class MoeDecodeConfig:
     mma_down_warps: int | None = None
     route_once: bool = False
     down_operand: bool = False
+    down_early: bool = False
 
     def __post_init__(self) -> None:
         for name in ("router_rows", "shared_rows", "gate_up_rows", "down_rows", "num_warps",
@@ -340,6 +345,9 @@ class MoeDecodeConfig:
         if self.down_operand and not self.route_once:
             raise ValueError("MoeDecodeConfig.down_operand needs route_once (the routing "
                              "weights before the gate/up launch)")  # fmt: skip
+        if self.down_early and not self.down_operand:
+            raise ValueError("MoeDecodeConfig.down_early needs down_operand (the expert ids "
+                             "from the router launch, two launches before down)")  # fmt: skip
 
 
 def _whole(k: int, group_size: int) -> int:

@@ -103,7 +103,7 @@ def _moe_down_mma_kernel(
     TOP_K: tl.constexpr, GROUP: tl.constexpr, SG: tl.constexpr, G: tl.constexpr,
     W: tl.constexpr, BITS: tl.constexpr, S_BG: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_SHARED: tl.constexpr, HAS_RES: tl.constexpr, H_OP: tl.constexpr,
-    EVEN_N: tl.constexpr, ON_CPU: tl.constexpr, PDL: tl.constexpr,
+    EARLY_W: tl.constexpr, EVEN_N: tl.constexpr, ON_CPU: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # moe_decode._moe_down_kernel with the routed experts on the tensor cores: the k chosen
     # experts' rows are one K of k * I (slot j = expert ids[j]; with 8 warps and k = 8 a
@@ -122,9 +122,18 @@ def _moe_down_mma_kernel(
         p_sdw, p_sds, p_sdb, stride_sqn, stride_ssn, p_h, stride_h, p_logits, p_res, o_n, m_n,
         E, I_S, TOP_K, BITS, GROUP, S_BG, HAS_SHARED, HAS_RES,
     )  # fmt: skip
+    if EARLY_W:
+        # down_early: the ids are the router launch's (two launches back, complete before
+        # the gate/up launch let this one start), so the experts' tiles stream before the
+        # wait, while gate/up's last programs run
+        b_w, b_s, b_b = mma_tile(p_dw, p_ds, p_db, p_ids, row0, D, stride_qn, stride_sn,
+                                 stride_we, stride_se, GROUP, NG, G, BLOCK_N, W, SG, EVEN_N,
+                                 NG == G)  # fmt: skip
     pdl_wait(PDL)
-    b_w, b_s, b_b = mma_tile(p_dw, p_ds, p_db, p_ids, row0, D, stride_qn, stride_sn, stride_we,
-                             stride_se, GROUP, NG, G, BLOCK_N, W, SG, EVEN_N, NG == G)  # fmt: skip
+    if not EARLY_W:
+        b_w, b_s, b_b = mma_tile(p_dw, p_ds, p_db, p_ids, row0, D, stride_qn, stride_sn,
+                                 stride_we, stride_se, GROUP, NG, G, BLOCK_N, W, SG, EVEN_N,
+                                 NG == G)  # fmt: skip
     if H_OP:
         # down_operand: the gate/up launch wrote h, weighted and bf16, as this operand
         b_xb, b_xs = row_operand(p_hop + tl.program_id(1) * (G * GROUP), G, GROUP, NG, W,
@@ -196,5 +205,6 @@ def moe_mma_experts(
         e, d, i_s, h.stride(1), PAIR_MASK, mask_lo(down.bits),
         TOP_K=top_k, GROUP=gs, SG=sg, G=hg, W=w, BITS=down.bits,
         S_BG=pow2(max(i_s, gs) // gs), BLOCK_N=bn, HAS_SHARED=has_shared, HAS_RES=has_res,
-        H_OP=h_op, EVEN_N=d % bn == 0, ON_CPU=on_cpu, PDL=pdl, num_warps=w, **pdl_launch(pdl),
+        H_OP=h_op, EARLY_W=h_op and cfg.down_early, EVEN_N=d % bn == 0, ON_CPU=on_cpu,
+        PDL=pdl, num_warps=w, **pdl_launch(pdl),
     )  # fmt: skip

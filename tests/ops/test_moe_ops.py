@@ -327,6 +327,49 @@ def test_the_route_entry_over_layers_at_the_tiny_model_shapes(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_down_early_equals_down_operand_over_layers(device):
+    """down_early (the down launch loads its experts' tiles before its PDL wait, from the
+    ids the router launch wrote two launches back) against the same entry without it, four
+    layers in a row under PDL in one CUDA graph (eager on the CPU), replayed on new rows:
+    bit for bit the same at every layer (only when the loads are issued differs; a tile read
+    before its ids were written is another expert's, an O(1) error), every row against the
+    reference MoE, and the launch carries it. 3 rows at odd shapes, groups of 32: D 192 (6
+    groups, padded to 8), I 96 (a down K of 9 groups, padded to 16), 9 experts, top 3."""
+    from lily.model.ops import MOE_ROWS_CONFIGS
+
+    hop = MOE_ROWS_CONFIGS[4] if device == "cuda" else dataclasses.replace(
+        ROUTE_ONCE, down_operand=True)  # fmt: skip
+    early = dataclasses.replace(hop, down_early=True)
+    ws = [make_moe(9, 4, 32, True, seed=90 + j, device=device, d=192, i_e=96, i_s=64)
+          for j in range(4)]  # fmt: skip
+    g = torch.Generator().manual_seed(91)
+    xs = [(2.0 * torch.randn(3, 192, generator=g)).bfloat16().to(device) for _ in range(3)]
+    nw = (1.0 + 0.2 * torch.randn(192, generator=g)).bfloat16().to(device)
+    x = xs[0].clone()
+    tickets = torch.zeros(16, dtype=torch.int32, device=device)
+
+    def layers(cfg):
+        hs = [x]
+        for w in ws:
+            hs.append(moe_decode(hs[-1], *w.values(), 3, hs[-1], norm_weight=nw, config=cfg,
+                                 pdl=True, tickets=tickets))  # fmt: skip
+        return hs[1:]
+
+    assert _launched(lambda: layers(early))["_moe_down_mma_kernel"]["EARLY_W"]
+    assert not _launched(lambda: layers(hop))["_moe_down_mma_kernel"]["EARLY_W"]
+    for xi, (outs, want) in replayed(lambda: (layers(early), layers(hop)), x, xs):
+        assert torch.count_nonzero(tickets) == 0
+        ins = [xi, *outs[:-1]]
+        for j in range(4):
+            assert torch.equal(outs[j], want[j]), j
+            for r in range(3):
+                assert moe_err(outs[j][r], ws[j], rms_norm(ins[j][r], nw, 1e-6), 3,
+                               ins[j][r]) < 2e-2, (j, r)  # fmt: skip
+    with pytest.raises(ValueError, match="down_early needs down_operand"):
+        MoeDecodeConfig(route_once=True, down_early=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_moe_decode_replays_on_new_tokens(device):
     """Two tokens through one captured call (a CUDA graph on the GPU, as the decode step
     runs, with programmatic dependent launch; two eager calls on the CPU, where ``pdl`` is a

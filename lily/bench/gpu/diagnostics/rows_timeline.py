@@ -10,7 +10,8 @@ switches of lily/model/ops.py changed, in the same process: ``no_rows_mma`` (pro
 qgemv/qgemm), ``rows_moe`` (the MoE on moe_decode_rows), ``rows_prep`` /
 ``no_rows_prep`` (the normed projections' rows prepared once, ROWS_PREP, or not),
 ``no_head_prep``, ``no_pow2``, ``every_table`` (the MoE's earlier entries, every gate/up
-program routing its row: lily/model/ops.py MOE_ROWS_EVERY).
+program routing its row: lily/model/ops.py MOE_ROWS_EVERY), ``down_early`` (the MoE's
+down launch loading its experts' tiles before its PDL wait, where the entry routes once).
 
     python3 -m lily.bench.gpu.diagnostics.rows_timeline --rows 2,4,8 --out $OUT/rows.json
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import time
 
 import torch
@@ -38,6 +40,9 @@ SWITCHES = {
     "no_head_prep": {"ROWS_PREP_HEAD": False},
     "no_pow2": {"OPERAND_POW2": False},
     "every_table": {"MOE_ROWS_CONFIGS": ops_mod.MOE_ROWS_EVERY},
+    "down_early": {"MOE_ROWS_CONFIGS": {
+        b: dataclasses.replace(c, down_early=c.down_operand)
+        for b, c in ops_mod.MOE_ROWS_CONFIGS.items()}},
 }  # fmt: skip
 
 

@@ -137,7 +137,9 @@ def compile_report(only: set[str], sweeps: Sweeps, sass_dir: str | None = None) 
                     table = moe_rows_config(b) or MoeDecodeConfig()
                     xb = torch.zeros(b, D, dtype=BF16)
                     once = dataclasses.replace(table, route_once=True)
-                    for cfg in (table, once, dataclasses.replace(once, down_operand=True)):
+                    hop = dataclasses.replace(once, down_operand=True)
+                    early = dataclasses.replace(hop, down_early=True)
+                    for cfg in dict.fromkeys((table, once, hop, early)):
                         launches.append(f"moe_decode B={b} +norm pdl {cfg_str(cfg)}")
                         moe_decode(xb, *args, TOP_K, xb, norm_weight=nw, config=cfg, pdl=True)
         if "moe_prefill" in only:
