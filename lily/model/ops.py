@@ -45,6 +45,7 @@ if HAS_KERNELS:
     from lily.ops.deltanet_prefill import deltanet_prefill
     from lily.ops.embedding import DTYPES as EMBED_DTYPES
     from lily.ops.embedding import embedding_rows
+    from lily.ops.launch import cdiv
     from lily.ops.mma_rows import rows_prep
     from lily.ops.moe_decode import MoeDecodeConfig, moe_decode
     from lily.ops.moe_decode_rows import moe_decode_rows, rows_fit
@@ -188,7 +189,9 @@ def deltanet_rows_config(b: int) -> tuple[int, int]:
 class Kernels:
     """How the kernels run (see the module docstring) and what they share: the DeltaNet
     step's workspaces (one sequence, and a batched step's rows), the RoPE frequencies and
-    the MoE decode's route_once tickets (zeros, one a row, left at zero by every call)."""
+    the MoE decode's route_once tickets (zeros, left at zero by every call: one a row, and
+    one a row and down block of 16 for a split down launch; lily/ops/moe_decode_mma.py
+    ``moe_tickets``)."""
 
     step: bool
     pdl: bool
@@ -208,7 +211,9 @@ class Kernels:
         workspace = DeltaNetDecodeWorkspace.new(*heads, device)
         rows = DeltaNetDecodeWorkspace.new(*heads, device, rows=MAX_ROWS)
         inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, device)
-        tickets = torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)
+        # (route_once's, one a row, and a split down launch's, one a row and block of 16)
+        tickets = torch.zeros(MAX_ROWS * (1 + cdiv(cfg.hidden_size, 16)), dtype=torch.int32,
+                              device=device)  # fmt: skip
         return cls(step, pdl, mma, workspace, inv_freq, rows, tickets)
 
 
