@@ -10,8 +10,10 @@ switches of lily/model/ops.py changed, in the same process: ``no_rows_mma`` (pro
 qgemv/qgemm), ``rows_moe`` (the MoE on moe_decode_rows), ``rows_prep`` /
 ``no_rows_prep`` (the normed projections' rows prepared once, ROWS_PREP, or not),
 ``no_head_prep``, ``no_pow2``, ``every_table`` (the MoE's earlier entries, every gate/up
-program routing its row: lily/model/ops.py MOE_ROWS_EVERY), ``down_early`` (the MoE's
-down launch loading its experts' tiles before its PDL wait, where the entry routes once).
+program routing its row: lily/model/ops.py MOE_ROWS_EVERY), and the MoE's down launch
+where the entry writes its operand: ``down_early`` (its experts' tiles loaded before the
+PDL wait), ``split2`` / ``split4`` (K in parts, MoeDecodeConfig.down_splits),
+``split2_early``, ``split2_n32`` (32 rows a program).
 
     python3 -m lily.bench.gpu.diagnostics.rows_timeline --rows 2,4,8 --out $OUT/rows.json
 """
@@ -31,6 +33,13 @@ from lily.bench.gpu.diagnostics.decode_timeline import print_timeline, timeline
 from lily.bench.gpu.full_model import full_params, kernel_engine, write_json
 from lily.bench.measure import pseudo_text_ids, replay_ms
 
+def _down(**form) -> dict:
+    """MOE_ROWS_CONFIGS with the down launch's ``form`` (MoeDecodeConfig fields) on the
+    entries whose gate/up writes the down operand."""
+    table = ops_mod.MOE_ROWS_CONFIGS
+    return {b: dataclasses.replace(c, **form) if c.down_operand else c for b, c in table.items()}
+
+
 SWITCHES = {
     "current": {},
     "no_rows_mma": {"ROWS_MMA": False},
@@ -40,9 +49,11 @@ SWITCHES = {
     "no_head_prep": {"ROWS_PREP_HEAD": False},
     "no_pow2": {"OPERAND_POW2": False},
     "every_table": {"MOE_ROWS_CONFIGS": ops_mod.MOE_ROWS_EVERY},
-    "down_early": {"MOE_ROWS_CONFIGS": {
-        b: dataclasses.replace(c, down_early=c.down_operand)
-        for b, c in ops_mod.MOE_ROWS_CONFIGS.items()}},
+    "down_early": {"MOE_ROWS_CONFIGS": _down(down_early=True)},
+    "split2": {"MOE_ROWS_CONFIGS": _down(down_splits=2)},
+    "split4": {"MOE_ROWS_CONFIGS": _down(down_splits=4)},
+    "split2_early": {"MOE_ROWS_CONFIGS": _down(down_splits=2, down_early=True)},
+    "split2_n32": {"MOE_ROWS_CONFIGS": _down(down_splits=2, mma_down_rows=32)},
 }  # fmt: skip
 
 
