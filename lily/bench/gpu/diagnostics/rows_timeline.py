@@ -33,6 +33,7 @@ from lily.bench.gpu.diagnostics.decode_timeline import print_timeline, timeline
 from lily.bench.gpu.full_model import full_params, kernel_engine, write_json
 from lily.bench.measure import pseudo_text_ids, replay_ms
 
+
 def _down(**form) -> dict:
     """MOE_ROWS_CONFIGS with the down launch's ``form`` (MoeDecodeConfig fields) on the
     entries whose gate/up writes the down operand."""
