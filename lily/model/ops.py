@@ -45,7 +45,6 @@ if HAS_KERNELS:
     from lily.ops.deltanet_prefill import deltanet_prefill
     from lily.ops.embedding import DTYPES as EMBED_DTYPES
     from lily.ops.embedding import embedding_rows
-    from lily.ops.launch import cdiv
     from lily.ops.mma_rows import rows_prep
     from lily.ops.moe_decode import MoeDecodeConfig, moe_decode
     from lily.ops.moe_decode_rows import moe_decode_rows, rows_fit
@@ -136,13 +135,17 @@ ROWS_MOE = False
 # the plain tiny model, rounding-chaotic, that showed as 10% at one row where the one-row
 # step itself was 10% off fp32 and the batched one 1.5%; on the conditioned model 0.3-0.4%
 # (eleventh session, bench/results/route_debug_h100_s11.txt; docs/notes/batching.md).
+# down_early (the down launch's expert tiles loaded before its PDL wait): the step 4.556 /
+# 4.572 -> 4.409 ms at 8 rows and 2.874 / 2.889 -> 2.770 at 4 rows (H100, 4K, twelfth
+# session, bench/results/rows_timeline_down_forms_h100_s12.json). The down launch split
+# in K (more programs an SM) was measured there too and not kept (docs/notes/batching.md).
 MOE_ROWS_CONFIGS: dict[int, MoeDecodeConfig] = {} if not HAS_KERNELS else {
     2: MoeDecodeConfig(shared_rows=4, mma_rows=32, mma_warps=4, mma_down_rows=32,
                        mma_down_warps=8),
     4: MoeDecodeConfig(router_rows=8, mma_rows=32, mma_down_rows=16, mma_down_warps=4,
-                       route_once=True, down_operand=True),
+                       route_once=True, down_operand=True, down_early=True),
     8: MoeDecodeConfig(router_rows=8, mma_rows=32, mma_down_rows=16, mma_down_warps=4,
-                       route_once=True, down_operand=True),
+                       route_once=True, down_operand=True, down_early=True),
 }  # fmt: skip
 # The earlier entries at 4 and 8 rows (every gate/up program routes its row; h exact into
 # down), kept for rows_timeline's ``every_table`` variant.
@@ -189,9 +192,7 @@ def deltanet_rows_config(b: int) -> tuple[int, int]:
 class Kernels:
     """How the kernels run (see the module docstring) and what they share: the DeltaNet
     step's workspaces (one sequence, and a batched step's rows), the RoPE frequencies and
-    the MoE decode's route_once tickets (zeros, left at zero by every call: one a row, and
-    one a row and down block of 16 for a split down launch; lily/ops/moe_decode_mma.py
-    ``moe_tickets``)."""
+    the MoE decode's route_once tickets (zeros, one a row, left at zero by every call)."""
 
     step: bool
     pdl: bool
@@ -211,9 +212,7 @@ class Kernels:
         workspace = DeltaNetDecodeWorkspace.new(*heads, device)
         rows = DeltaNetDecodeWorkspace.new(*heads, device, rows=MAX_ROWS)
         inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, device)
-        # (route_once's, one a row, and a split down launch's, one a row and block of 16)
-        tickets = torch.zeros(MAX_ROWS * (1 + cdiv(cfg.hidden_size, 16)), dtype=torch.int32,
-                              device=device)  # fmt: skip
+        tickets = torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)
         return cls(step, pdl, mma, workspace, inv_freq, rows, tickets)
 
 

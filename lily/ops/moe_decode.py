@@ -43,7 +43,7 @@ from lily.ops.launch import (
     use_pdl,
 )
 from lily.ops.moe_checks import check_moe
-from lily.ops.moe_decode_mma import mma_fits, moe_mma_experts, moe_tickets
+from lily.ops.moe_decode_mma import mma_fits, moe_mma_experts
 from lily.ops.moe_decode_parts import (
     down_early,
     down_finish,
@@ -314,11 +314,6 @@ class MoeDecodeConfig:
     their PDL wait. The router launch wrote the expert ids two launches back, so they are
     there once the gate/up launch lets down start, and down's first programs stream their
     weights in the gate/up launch's last wave instead of after it.
-    down_splits (with down_operand): the down launch's K (the k slots) in this many parts,
-    a program each, and the shared expert in one more; the last program of a row's D block
-    to finish (a ticket) adds the fp32 partials in order and the residual. A program then
-    holds 1 / down_splits of the operand and codes in its registers, so more of them fit
-    an SM.
     """
 
     router_rows: int = 4
@@ -335,7 +330,6 @@ class MoeDecodeConfig:
     route_once: bool = False
     down_operand: bool = False
     down_early: bool = False
-    down_splits: int = 1
 
     def __post_init__(self) -> None:
         for name in ("router_rows", "shared_rows", "gate_up_rows", "down_rows", "num_warps",
@@ -351,12 +345,6 @@ class MoeDecodeConfig:
         if self.down_operand and not self.route_once:
             raise ValueError("MoeDecodeConfig.down_operand needs route_once (the routing "
                              "weights before the gate/up launch)")  # fmt: skip
-        if self.down_splits not in (1, 2, 4, 8):
-            raise ValueError(f"MoeDecodeConfig.down_splits must be 1, 2, 4 or 8, got "
-                             f"{self.down_splits}")  # fmt: skip
-        if self.down_splits > 1 and not self.down_operand:
-            raise ValueError("MoeDecodeConfig.down_splits needs down_operand (the down "
-                             "launch's operand in memory, in the codes' K order)")  # fmt: skip
         if self.down_early and not self.down_operand:
             raise ValueError("MoeDecodeConfig.down_early needs down_operand (the expert ids "
                              "from the router launch, two launches before down)")  # fmt: skip
@@ -396,10 +384,9 @@ def moe_decode(
     (E, D, I); the shared expert (Is, D), (Is, D), (D, Is) and its gate (1, D), all
     QuantWeight (or all four shared parts None). ``pdl``: launch the three kernels with
     programmatic dependent launch (Hopper and newer; ignored elsewhere; see lily.ops.qgemv).
-    ``tickets``: int32 zeros for ``config.route_once``, one a row, and with
-    ``config.down_splits`` one a row and down block more (``moe_tickets``; each call leaves
-    them at zero; one buffer serves every layer of a model, whose calls run in turn on one
-    stream); None: new ones a call.
+    ``tickets``: int32 zeros, one a row at least, for ``config.route_once`` (each call
+    leaves them at zero; one buffer serves every layer of a model, whose calls run in turn
+    on one stream); None: new ones a call.
     """
     w = (router, gate, up, down, shared_gate, shared_up, shared_down, shared_expert_gate)
     e, i, d, i_s, norm_weight = check_moe("moe_decode", x, w, top_k, residual, norm_weight,
@@ -430,13 +417,12 @@ def moe_decode(
     if routed:
         op = torch.empty((b, g, gs), dtype=torch.bfloat16, device=dev)
         sums = torch.empty((b, g), dtype=torch.float32, device=dev)
-        need = moe_tickets(cfg, b, d, top_k)
         if tickets is None:
-            tickets = torch.zeros(need, dtype=torch.int32, device=dev)
-        elif (tickets.dtype != torch.int32 or tickets.numel() < need or tickets.device != dev
+            tickets = torch.zeros(b, dtype=torch.int32, device=dev)
+        elif (tickets.dtype != torch.int32 or tickets.numel() < b or tickets.device != dev
               or not tickets.is_contiguous()):  # fmt: skip
             raise ValueError(f"moe_decode: tickets must be contiguous int32 on {dev} with at "
-                             f"least {need} entries, got {tickets.dtype} "
+                             f"least {b} entries, got {tickets.dtype} "
                              f"{tuple(tickets.shape)} on {tickets.device}")  # fmt: skip
     else:
         op, sums, tickets = ids, wts, ids  # (unused pointers)
@@ -477,7 +463,7 @@ def moe_decode(
     if mma:
         moe_mma_experts(x, nw, logits, ids, wts, h, res, out, gate, up, down, sd, e, d, i, i_s,
                         top_k, eps, cfg, has_norm, has_shared, residual is not None, on_cpu,
-                        pdl, (op, sums, tickets) if routed else None)  # fmt: skip
+                        pdl, (op, sums) if routed else None)  # fmt: skip
         return out[0] if one else out
     nb = cdiv(i, cfg.gate_up_rows)
     _moe_gate_up_kernel[(top_k * nb, b)](

@@ -26,9 +26,9 @@ from lily.ops.moe_decode_parts import (
     slot_expert,
 )
 from lily.ops.norm_rope import sigmoid
-from lily.ops.qgemv import gemv_tile, pdl_wait
+from lily.ops.qgemv import pdl_wait
 from lily.ops.qgemv_mma import PAIR_MASK, X_TERMS, mma_dot, mma_tile, mma_x, mma_x_row
-from lily.ops.rmsnorm import cast_to, to_bf16
+from lily.ops.rmsnorm import to_bf16
 from lily.quant import QuantWeight
 
 
@@ -151,89 +151,6 @@ def _moe_down_mma_kernel(
                  HAS_SHARED, HAS_RES, ON_CPU)  # fmt: skip
 
 
-@launched
-@triton.jit
-def _moe_down_split_kernel(
-    p_hop, p_ids, p_h, p_logits, p_res, p_out, p_part, p_ticket, stride_xt, stride_lt,
-    stride_hb, p_dw, p_ds, p_db, stride_we, stride_se, stride_qn, stride_sn,
-    p_sdw, p_sds, p_sdb, stride_sqn, stride_ssn,
-    E, D, I_S, stride_h, pair_mask, mask_lo,
-    TOP_K: tl.constexpr, SPLITS: tl.constexpr, GROUP: tl.constexpr, SG: tl.constexpr,
-    G: tl.constexpr, HG: tl.constexpr, W: tl.constexpr, BITS: tl.constexpr,
-    S_BG: tl.constexpr, BLOCK_N: tl.constexpr, N_BLOCKS: tl.constexpr,
-    HAS_SHARED: tl.constexpr, HAS_RES: tl.constexpr, EARLY_W: tl.constexpr,
-    EVEN_N: tl.constexpr, ON_CPU: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    # _moe_down_mma_kernel (down_operand) with K in SPLITS parts of SC slots, a program each,
-    # and the shared expert in program SPLITS of a D block: each writes an fp32 partial; the
-    # last of the block's programs to arrive adds them in order, and the residual.
-    NS: tl.constexpr = SPLITS + (1 if HAS_SHARED else 0)
-    SC: tl.constexpr = TOP_K // SPLITS
-    NG: tl.constexpr = SC * SG
-    r = tl.program_id(1)
-    i_n = tl.program_id(0) // NS
-    sp = tl.program_id(0) % NS
-    p_res, p_logits, p_h = row_ptrs(p_res, p_logits, p_h, stride_xt, stride_lt, stride_hb)
-    p_ids += r * TOP_K
-    row0 = i_n * BLOCK_N
-    o_n = row0 + tl.arange(0, BLOCK_N)
-    m_n = o_n < D
-    p_pb = p_part + (r * NS + sp) * D + o_n
-    if sp < SPLITS:
-        p_sid = p_ids + sp * SC
-        if EARLY_W:
-            # (down_early: the ids are the router launch's, as in _moe_down_mma_kernel)
-            b_w, b_s, b_b = mma_tile(p_dw, p_ds, p_db, p_sid, row0, D, stride_qn, stride_sn,
-                                     stride_we, stride_se, GROUP, NG, G, BLOCK_N, W, SG,
-                                     EVEN_N, NG == G)  # fmt: skip
-        pdl_wait(PDL)
-        if not EARLY_W:
-            b_w, b_s, b_b = mma_tile(p_dw, p_ds, p_db, p_sid, row0, D, stride_qn, stride_sn,
-                                     stride_we, stride_se, GROUP, NG, G, BLOCK_N, W, SG,
-                                     EVEN_N, NG == G)  # fmt: skip
-        b_xb, b_xs = row_operand(p_hop + r * (HG * GROUP) + sp * (NG * GROUP), G, GROUP, NG,
-                                 W, ON_CPU)  # fmt: skip
-        acc = mma_dot(b_w, b_s, b_b, b_xb, b_xs, pair_mask, G, BLOCK_N, W, 1, ON_CPU)
-        tl.store(p_pb, acc, mask=m_n)
-    else:
-        # the gated shared expert, its loads before the wait as in down_early
-        b_sw, b_ss, b_sb, b_hs, b_c, _ = down_early(
-            p_sdw, p_sds, p_sdb, stride_sqn, stride_ssn, p_h, stride_h, p_logits, p_res, o_n,
-            m_n, E, I_S, TOP_K, BITS, GROUP, S_BG, True, False,
-        )  # fmt: skip
-        pdl_wait(PDL)
-        acc = gemv_tile(b_sw, b_ss, b_sb, b_hs, mask_lo, BITS, S_BG) * sigmoid(b_c)
-        tl.store(p_pb, acc, mask=m_n)
-    # NOTE: the ticket is one thread's atomic: its release covers only that thread's
-    # stores, so every thread's partials must be issued first (as in qgemv's split-K).
-    tl.debug_barrier()
-    p_t = p_ticket + r * N_BLOCKS + i_n
-    ticket = tl.atomic_add(p_t, 1, sem="acq_rel")
-    if ticket == NS - 1:
-        total = tl.zeros((BLOCK_N,), tl.float32)
-        for s in tl.static_range(NS):
-            # .cg: past L1, the partials were written by other SMs
-            total += tl.load(p_part + (r * NS + s) * D + o_n, mask=m_n, other=0.0,
-                             cache_modifier=".cg")  # fmt: skip
-        if HAS_RES:
-            total += tl.load(p_res + o_n, mask=m_n, other=0.0).to(tl.float32)
-        tl.store(p_out + r * stride_xt + o_n, cast_to(total, p_out.dtype.element_ty, ON_CPU),
-                 mask=m_n)  # fmt: skip
-        tl.atomic_xchg(p_t, 0)  # left at zero for the next call
-
-
-def down_blocks(cfg, d: int) -> int:
-    """The down launch's blocks of D on the tensor cores (``cfg`` a MoeDecodeConfig)."""
-    return cdiv(d, cfg.mma_down_rows or cfg.mma_rows)
-
-
-def moe_tickets(cfg, b: int, d: int, top_k: int) -> int:
-    """The int32 tickets a route_once call of ``b`` rows takes (MoeDecodeConfig ``cfg``):
-    one a row, and with down_splits one a row and down block more."""
-    split = cfg.down_operand and cfg.down_splits > 1
-    return b * (1 + (down_blocks(cfg, d) if split else 0))
-
-
 def mma_fits(w: QuantWeight) -> bool:
     """Experts (E, N, K) the tensor-core tile takes: 4 bits, rows on 16-byte boundaries and
     experts on whole groups of them (the words load four at a time straight into the MMA's
@@ -249,11 +166,9 @@ def moe_mma_experts(
 ) -> None:  # fmt: skip
     """Launches 2 and 3 of ``moe_decode`` on the tensor cores (arguments as checked there;
     x, logits, ids, wts, h, res and out with a leading row axis, grid axis 1). ``prepared``:
-    route_once's (operand (B, G, GROUP) bf16, sums (B, G) fp32, its tickets: ``moe_tickets``
-    of them), ids and wts written by the router launch; None: the gate/up programs route and
-    prepare x themselves. With it and ``cfg.down_operand`` the gate/up launch writes the
-    down launch's operand, and with ``cfg.down_splits`` the down launch takes its K in parts
-    (``_moe_down_split_kernel``; the tickets past the rows' are its)."""
+    route_once's (operand (B, G, GROUP) bf16, sums (B, G) fp32), ids and wts written by the
+    router launch; None: the gate/up programs route and prepare x themselves. With it and
+    ``cfg.down_operand`` the gate/up launch writes the down launch's operand."""
     gs = gate.group_size
     b = x.shape[0]
     rows = (x.stride(0), logits.stride(0), h.stride(0))
@@ -263,7 +178,7 @@ def moe_mma_experts(
     g = pow2(ng)
     w = min(cfg.mma_warps, g)
     nb = cdiv(i, bn)
-    op, sums, tickets = prepared if prepared is not None else (h, h, h)  # (unused pointers)
+    op, sums = prepared if prepared is not None else (h, h)  # (unused pointers)
     sg = i // gs
     hg = pow2(top_k * sg)  # the down launch's groups (K = the k slots' I)
     h_op = prepared is not None and cfg.down_operand
@@ -281,26 +196,6 @@ def moe_mma_experts(
     )  # fmt: skip
     # down: K = the k slots' I; one program a bn rows of D (its own tile where given)
     bn, w = cfg.mma_down_rows or bn, cfg.mma_down_warps or cfg.mma_warps
-    if h_op and cfg.down_splits > 1:
-        splits = cfg.down_splits
-        if top_k % splits:
-            raise ValueError(f"moe_decode: MoeDecodeConfig.down_splits ({splits}) must "
-                             f"divide top_k ({top_k})")  # fmt: skip
-        ns, nb_d, g_s = splits + int(has_shared), cdiv(d, bn), pow2(top_k // splits * sg)
-        part = torch.empty((b, ns, d), dtype=torch.float32, device=x.device)
-        _moe_down_split_kernel[(nb_d * ns, b)](
-            hop, ids, h, logits, res, out, part, tickets[b:], *rows,
-            down.qweight, down.scales, down.biases, down.qweight.stride(0),
-            down.scales.stride(0), down.qweight.stride(1), down.scales.stride(1),
-            sd.qweight, sd.scales, sd.biases, sd.qweight.stride(0), sd.scales.stride(0),
-            e, d, i_s, h.stride(1), PAIR_MASK, mask_lo(down.bits),
-            TOP_K=top_k, SPLITS=splits, GROUP=gs, SG=sg, G=g_s, HG=hg, W=min(w, g_s),
-            BITS=down.bits, S_BG=pow2(max(i_s, gs) // gs), BLOCK_N=bn, N_BLOCKS=nb_d,
-            HAS_SHARED=has_shared, HAS_RES=has_res, EARLY_W=cfg.down_early,
-            EVEN_N=d % bn == 0, ON_CPU=on_cpu, PDL=pdl, num_warps=min(w, g_s),
-            **pdl_launch(pdl),
-        )  # fmt: skip
-        return
     w = min(w, hg)
     _moe_down_mma_kernel[(cdiv(d, bn), b)](
         h, ids, wts, logits, res, out, hop, *rows,

@@ -292,8 +292,8 @@ def test_route_once_tickets_serve_every_layer_and_replay(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_route_entry_over_layers_at_the_tiny_model_shapes(device):
-    """The batched step's 4-row entry (lily/model/ops.py MOE_ROWS_CONFIGS: route_once and
-    down_operand, gate/up n32 w8, down n16 w4) at the tiny model's MoE shapes (D 128 in 2
+    """The batched step's 4-row entry (lily/model/ops.py MOE_ROWS_CONFIGS: route_once,
+    down_operand and down_early, gate/up n32 w8, down n16 w4) at the tiny model's MoE shapes (D 128 in 2
     groups, 8 experts, top 2, I and the shared I 64, one router program a row), four layers
     in a row as a step runs them (one tickets buffer, PDL, one CUDA graph on the GPU),
     replayed on new rows: every layer's every row against the reference MoE of its input.
@@ -302,7 +302,7 @@ def test_the_route_entry_over_layers_at_the_tiny_model_shapes(device):
     from lily.model.ops import MOE_ROWS_CONFIGS
 
     cfg = MOE_ROWS_CONFIGS[4]
-    assert cfg.route_once and cfg.down_operand
+    assert cfg.route_once and cfg.down_operand and cfg.down_early
     ws = [make_moe(8, 4, 64, True, seed=80 + j, device=device, d=128, i_e=64, i_s=64)
           for j in range(4)]  # fmt: skip
     g = torch.Generator().manual_seed(81)
@@ -326,30 +326,22 @@ def test_the_route_entry_over_layers_at_the_tiny_model_shapes(device):
                 assert moe_err(y[r], w, rms_norm(h[r], nw, 1e-6), 2, h[r]) < 2e-2, (j, r)
 
 
-DOWN_FORMS = {"early": {"down_early": True}, "split2": {"down_splits": 2},
-              "split4_early": {"down_splits": 4, "down_early": True}}  # fmt: skip
-
-
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("form", list(DOWN_FORMS))
-def test_down_forms_equal_one_down_launch_over_layers(device, form):
-    """The down launch's forms against down_operand's one program a D block, four layers
-    in a row under PDL in one CUDA graph (eager on the CPU), replayed on new rows:
-    down_early (the experts' tiles loaded before the PDL wait, from the ids the router
-    launch wrote two launches back) bit for bit the same (only when the loads are issued
-    differs; a tile read before its ids were written is another expert's, an O(1) error);
-    down_splits (K in parts and the shared expert, a program each, their fp32 partials
-    added by the last to arrive) within fp32 rounding of the partials' order (a missing,
-    doubled or misplaced part is O(1)); every row against the reference MoE, the launch
-    carries the form and the tickets end at zero (two layers on the CPU). 3 rows at odd
-    shapes, groups of 32: D
-    192 (6 groups, padded to 8), I 96 (a split of 2 slots is 6 groups, padded to 8), 9
-    experts, top 4."""
+def test_down_early_equals_down_operand_over_layers(device):
+    """down_early (the down launch loads its experts' tiles before its PDL wait, from the
+    ids the router launch wrote two launches back) against the same entry without it, four
+    layers in a row under PDL in one CUDA graph (eager on the CPU), replayed on new rows:
+    bit for bit the same at every layer (only when the loads are issued differs; a tile read
+    before its ids were written is another expert's, an O(1) error), every row against the
+    reference MoE, and the launch carries it (the batched step's 4-row entry on the GPU; two
+    layers on the CPU). 3 rows at odd shapes, groups of 32: D 192 (6 groups, padded to 8), I
+    96 (a down K of 9 groups, padded to 16), 9 experts, top 3."""
     from lily.model.ops import MOE_ROWS_CONFIGS
 
-    hop = MOE_ROWS_CONFIGS[4] if device == "cuda" else dataclasses.replace(
-        ROUTE_ONCE, down_operand=True)  # fmt: skip
-    cfg = dataclasses.replace(hop, **DOWN_FORMS[form])
+    early = MOE_ROWS_CONFIGS[4] if device == "cuda" else dataclasses.replace(
+        ROUTE_ONCE, down_operand=True, down_early=True)  # fmt: skip
+    assert early.down_early
+    hop = dataclasses.replace(early, down_early=False)
     n = 4 if device == "cuda" else 2  # (the interpreter: two layers keep the test short)
     ws = [make_moe(9, 4, 32, True, seed=90 + j, device=device, d=192, i_e=96, i_s=64)
           for j in range(n)]  # fmt: skip
@@ -357,49 +349,27 @@ def test_down_forms_equal_one_down_launch_over_layers(device, form):
     xs = [(2.0 * torch.randn(3, 192, generator=g)).bfloat16().to(device) for _ in range(3)]
     nw = (1.0 + 0.2 * torch.randn(192, generator=g)).bfloat16().to(device)
     x = xs[0].clone()
-    tickets = torch.zeros(3 * (1 + 192 // 16), dtype=torch.int32, device=device)
+    tickets = torch.zeros(16, dtype=torch.int32, device=device)
 
-    def layers(c):
+    def layers(cfg):
         hs = [x]
         for w in ws:
-            hs.append(moe_decode(hs[-1], *w.values(), 4, hs[-1], norm_weight=nw, config=c,
+            hs.append(moe_decode(hs[-1], *w.values(), 3, hs[-1], norm_weight=nw, config=cfg,
                                  pdl=True, tickets=tickets))  # fmt: skip
         return hs[1:]
 
-    split = cfg.down_splits > 1
-    kernels = _launched(lambda: layers(cfg))
-    down = kernels["_moe_down_split_kernel" if split else "_moe_down_mma_kernel"]
-    assert down["EARLY_W"] == cfg.down_early and down.get("SPLITS", 1) == cfg.down_splits
-    for xi, (outs, want) in replayed(lambda: (layers(cfg), layers(hop)), x, xs):
+    assert _launched(lambda: layers(early))["_moe_down_mma_kernel"]["EARLY_W"]
+    assert not _launched(lambda: layers(hop))["_moe_down_mma_kernel"]["EARLY_W"]
+    for xi, (outs, want) in replayed(lambda: (layers(early), layers(hop)), x, xs):
         assert torch.count_nonzero(tickets) == 0
         ins = [xi, *outs[:-1]]
         for j in range(n):
-            if not split:
-                assert torch.equal(outs[j], want[j]), j
+            assert torch.equal(outs[j], want[j]), j
             for r in range(3):
-                if split:
-                    got, ref = outs[j][r].float() - ins[j][r].float(), want[j][r].float()
-                    assert rel_err(got, ref - ins[j][r].float()) < 2e-3, (j, r)
-                assert moe_err(outs[j][r], ws[j], rms_norm(ins[j][r], nw, 1e-6), 4,
+                assert moe_err(outs[j][r], ws[j], rms_norm(ins[j][r], nw, 1e-6), 3,
                                ins[j][r]) < 2e-2, (j, r)  # fmt: skip
-
-
-def test_down_forms_are_checked():
-    """A down form without what it needs, or a split that does not divide top_k, is refused
-    with a message naming it."""
     with pytest.raises(ValueError, match="down_early needs down_operand"):
         MoeDecodeConfig(route_once=True, down_early=True)
-    with pytest.raises(ValueError, match="down_splits needs down_operand"):
-        MoeDecodeConfig(route_once=True, down_splits=2)
-    with pytest.raises(ValueError, match="down_splits must be 1, 2, 4 or 8"):
-        MoeDecodeConfig(route_once=True, down_operand=True, down_splits=3)
-    w = make_moe(8, 4, 64, True, seed=92, device="cpu")
-    x = torch.randn(2, D).bfloat16()
-    cfg = dataclasses.replace(ROUTE_ONCE, down_operand=True, down_splits=2)
-    with pytest.raises(ValueError, match=r"down_splits \(2\) must divide top_k \(3\)"):
-        moe_decode(x, *w.values(), 3, x, config=cfg)
-    with pytest.raises(ValueError, match="tickets must be contiguous int32 on cpu with at least"):
-        moe_decode(x, *w.values(), 2, x, config=cfg, tickets=torch.zeros(2, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -11,9 +11,8 @@ qgemv/qgemm), ``rows_moe`` (the MoE on moe_decode_rows), ``rows_prep`` /
 ``no_rows_prep`` (the normed projections' rows prepared once, ROWS_PREP, or not),
 ``no_head_prep``, ``no_pow2``, ``every_table`` (the MoE's earlier entries, every gate/up
 program routing its row: lily/model/ops.py MOE_ROWS_EVERY), and the MoE's down launch
-where the entry writes its operand: ``down_early`` (its experts' tiles loaded before the
-PDL wait), ``split2`` / ``split4`` (K in parts, MoeDecodeConfig.down_splits),
-``split2_early``, ``split2_n32`` (32 rows a program).
+where the entry writes its operand: ``down_early`` / ``no_down_early`` (its experts' tiles
+loaded before the PDL wait, or after it).
 
     python3 -m lily.bench.gpu.diagnostics.rows_timeline --rows 2,4,8 --out $OUT/rows.json
 """
@@ -51,10 +50,7 @@ SWITCHES = {
     "no_pow2": {"OPERAND_POW2": False},
     "every_table": {"MOE_ROWS_CONFIGS": ops_mod.MOE_ROWS_EVERY},
     "down_early": {"MOE_ROWS_CONFIGS": _down(down_early=True)},
-    "split2": {"MOE_ROWS_CONFIGS": _down(down_splits=2)},
-    "split4": {"MOE_ROWS_CONFIGS": _down(down_splits=4)},
-    "split2_early": {"MOE_ROWS_CONFIGS": _down(down_splits=2, down_early=True)},
-    "split2_n32": {"MOE_ROWS_CONFIGS": _down(down_splits=2, mma_down_rows=32)},
+    "no_down_early": {"MOE_ROWS_CONFIGS": _down(down_early=False)},
 }  # fmt: skip
 
 

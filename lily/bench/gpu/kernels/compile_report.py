@@ -138,9 +138,8 @@ def compile_report(only: set[str], sweeps: Sweeps, sass_dir: str | None = None) 
                     xb = torch.zeros(b, D, dtype=BF16)
                     once = dataclasses.replace(table, route_once=True)
                     hop = dataclasses.replace(once, down_operand=True)
-                    forms = [dataclasses.replace(hop, down_early=True)]
-                    forms += [dataclasses.replace(hop, down_splits=n) for n in (2, 4)]
-                    for cfg in dict.fromkeys((table, once, hop, *forms)):
+                    early = dataclasses.replace(hop, down_early=True)
+                    for cfg in dict.fromkeys((table, once, hop, early)):
                         launches.append(f"moe_decode B={b} +norm pdl {cfg_str(cfg)}")
                         moe_decode(xb, *args, TOP_K, xb, norm_weight=nw, config=cfg, pdl=True)
         if "moe_prefill" in only:
