@@ -293,10 +293,11 @@ def test_route_once_tickets_serve_every_layer_and_replay(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_route_entry_over_layers_at_the_tiny_model_shapes(device):
     """The batched step's 4-row entry (lily/model/ops.py MOE_ROWS_CONFIGS: route_once,
-    down_operand and down_early, gate/up n32 w8, down n16 w4) at the tiny model's MoE shapes (D 128 in 2
-    groups, 8 experts, top 2, I and the shared I 64, one router program a row), four layers
-    in a row as a step runs them (one tickets buffer, PDL, one CUDA graph on the GPU),
-    replayed on new rows: every layer's every row against the reference MoE of its input.
+    down_operand and down_early, gate/up n32 w8, down n16 w4) at the tiny model's MoE
+    shapes (D 128 in 2 groups, 8 experts, top 2, I and the shared I 64, one router program a
+    row), four layers in a row as a step runs them (one tickets buffer, PDL, one CUDA graph
+    on the GPU), replayed on new rows: every layer's every row against the reference MoE of
+    its input.
     The op alone, as the plain tiny model's batched step runs it (that step is judged on
     the conditioned model: tests/runtime/test_batch_decode.py)."""
     from lily.model.ops import MOE_ROWS_CONFIGS
