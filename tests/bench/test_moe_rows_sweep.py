@@ -43,11 +43,14 @@ def test_the_sweep_covers_every_tile_once():
     assert [c for c in route if not c.down_operand] == [replace(DEFAULT, route_once=True)]
     assert {(c.mma_rows, c.mma_warps) for c in route if c.down_operand} == {
         (16, 8), (16, 4), (32, 4), (32, 8), (64, 8)}  # fmt: skip
-    assert len({c for _, c in tiles}) == len(tiles) == 20 and DEFAULT not in {c for _, c in tiles}
+    # down_early switched on the table's tile, once
+    early = [c for c in route if c.down_early]
+    assert early == [replace(DEFAULT, route_once=True, down_operand=True, down_early=True)]
+    assert len({c for _, c in tiles}) == len(tiles) == 21 and DEFAULT not in {c for _, c in tiles}
     # around a table entry with a down tile of its own: the entry itself is not timed again
     table = MoeDecodeConfig(mma_rows=32, mma_warps=16, mma_down_rows=16, mma_down_warps=16)
     around = sweep_tiles(table)
-    assert table not in {c for _, c in around} and len(around) == 22
+    assert table not in {c for _, c in around} and len(around) == 23
     assert replace(table, route_once=True) in {c for _, c in around}
     assert all(c.mma_down_rows == 16 for k, c in around if k == "router")
 
@@ -95,6 +98,12 @@ def test_combined_takes_each_launch_from_its_fastest_line():
     got = combined(DEFAULT, [*lines, line(once, 70, 20, 35, 12), line(once_rt, 90, 40, 35, 11)])
     assert got == MoeDecodeConfig(router_rows=16, mma_rows=32, mma_warps=8, mma_down_rows=16,
                                   mma_down_warps=16, route_once=True)  # fmt: skip
+    # a table entry loading down early keeps it where the fastest gate/up writes down's
+    # operand, and drops it where not (it needs the operand)
+    table = MoeDecodeConfig(route_once=True, down_operand=True, down_early=True)
+    assert combined(table, lines).down_early is False
+    hop = MoeDecodeConfig(mma_rows=32, mma_warps=8, route_once=True, down_operand=True)
+    assert combined(table, [*lines, line(hop, 60, 15, 35, 9)]).down_early is True
     top = best_of(8, [{**lines[0], "config": "table, pdl"}, *lines[1:]])
     assert top["time_us"] == 80 and top["table_us"] == 90 and top["speedup"] == 90 / 80
     assert top["entry"] == "8: MoeDecodeConfig(mma_rows=32, mma_warps=16),"

@@ -20,7 +20,7 @@ ROUTER_SWEEP = ({"router_rows": 2}, {"router_rows": 8}, {"router_rows": 16},
 # route_once (the router launch routes each row once) on the table's tile, then with
 # down_operand (gate/up writes the down launch's operand) on it and on these tensor-core
 # tiles (rows, warps): both free registers, so wider tiles may fit; and down_early (the
-# down launch's tiles loaded before its wait) on the table's tile
+# down launch's tiles loaded before its wait) switched on the table's tile
 ROUTE_TILES = ((16, 4), (16, 8), (32, 4), (32, 8), (64, 8))
 ERR_BOUND = 2e-2  # a tile counts within the kernel tests' bound (tests/ops/test_moe_rows_ops.py)
 # kernels_us keys (kernel names) of moe_decode's three launches on the tensor-core path
@@ -66,7 +66,8 @@ def sweep_tiles(base: MoeDecodeConfig) -> list[tuple[str, MoeDecodeConfig]]:
     router = [("router", dataclasses.replace(base, **f)) for f in ROUTER_SWEEP]
     once = dataclasses.replace(base, route_once=True)
     hop = dataclasses.replace(once, down_operand=True)
-    route = [("route", once), ("route", hop), ("route", dataclasses.replace(hop, down_early=True))]
+    early = dataclasses.replace(hop, down_early=not hop.down_early)
+    route = [("route", once), ("route", hop), ("route", early)]
     route += [("route", canon(dataclasses.replace(hop, mma_rows=r, mma_warps=w,
                                                   mma_down_rows=None, mma_down_warps=None)))
               for r, w in ROUTE_TILES]  # fmt: skip
@@ -112,6 +113,7 @@ def combined(base: MoeDecodeConfig, lines: list[dict]) -> MoeDecodeConfig | None
         base, router_rows=rt.router_rows, shared_rows=rt.shared_rows, num_warps=rt.num_warps,
         mma_rows=gu.mma_rows, mma_warps=gu.mma_warps, mma_down_rows=rows, mma_down_warps=warps,
         route_once=gu.route_once, down_operand=gu.down_operand,
+        down_early=base.down_early and gu.down_operand,
     ))  # fmt: skip
 
 
