@@ -54,3 +54,17 @@ def test_an_unknown_variant_is_refused():
     with pytest.raises(SystemExit, match="unknown variant 'fast'.*no_pow2"):
         with rows_timeline.switched("fast", _Runner()):
             pass
+
+
+def test_the_route_entry_variants_change_only_those_entries():
+    table = model_ops.MOE_ROWS_CONFIGS
+    assert table[8].down_early and not table[2].route_once
+    with rows_timeline.switched("no_down_early", _Runner()):
+        now = model_ops.MOE_ROWS_CONFIGS
+        assert not now[8].down_early and not now[4].down_early and now[8].down_operand
+        assert now[2] is table[2]
+    with rows_timeline.switched("down_n32w8", _Runner()):
+        now = model_ops.MOE_ROWS_CONFIGS
+        assert (now[8].mma_down_rows, now[8].mma_down_warps) == (32, 8) and now[8].down_early
+        assert now[2] is table[2]
+    assert model_ops.MOE_ROWS_CONFIGS is table

@@ -10,9 +10,10 @@ switches of lily/model/ops.py changed, in the same process: ``no_rows_mma`` (pro
 qgemv/qgemm), ``rows_moe`` (the MoE on moe_decode_rows), ``rows_prep`` /
 ``no_rows_prep`` (the normed projections' rows prepared once, ROWS_PREP, or not),
 ``no_head_prep``, ``no_pow2``, ``every_table`` (the MoE's earlier entries, every gate/up
-program routing its row: lily/model/ops.py MOE_ROWS_EVERY), and the MoE's down launch
-where the entry writes its operand: ``down_early`` / ``no_down_early`` (its experts' tiles
-loaded before the PDL wait, or after it).
+program routing its row: lily/model/ops.py MOE_ROWS_EVERY), and on the entries that route
+once: ``no_down_early`` (the down launch's experts' tiles loaded after its PDL wait),
+``down_n32w8`` / ``down_n16w8`` (the down launch's tile), ``shared16`` / ``shared4`` (the
+shared expert's rows a router-launch program), ``router16`` (router rows a program).
 
     python3 -m lily.bench.gpu.diagnostics.rows_timeline --rows 2,4,8 --out $OUT/rows.json
 """
@@ -33,11 +34,12 @@ from lily.bench.gpu.full_model import full_params, kernel_engine, write_json
 from lily.bench.measure import pseudo_text_ids, replay_ms
 
 
-def _down(**form) -> dict:
-    """MOE_ROWS_CONFIGS with the down launch's ``form`` (MoeDecodeConfig fields) on the
-    entries whose gate/up writes the down operand."""
+def _routed(**fields) -> dict:
+    """MOE_ROWS_CONFIGS with ``fields`` (MoeDecodeConfig's) changed on the entries that
+    route once and write the down launch's operand (4 and 8 rows)."""
     table = ops_mod.MOE_ROWS_CONFIGS
-    return {b: dataclasses.replace(c, **form) if c.down_operand else c for b, c in table.items()}
+    return {b: dataclasses.replace(c, **fields) if c.down_operand else c
+            for b, c in table.items()}  # fmt: skip
 
 
 SWITCHES = {
@@ -49,8 +51,14 @@ SWITCHES = {
     "no_head_prep": {"ROWS_PREP_HEAD": False},
     "no_pow2": {"OPERAND_POW2": False},
     "every_table": {"MOE_ROWS_CONFIGS": ops_mod.MOE_ROWS_EVERY},
-    "down_early": {"MOE_ROWS_CONFIGS": _down(down_early=True)},
-    "no_down_early": {"MOE_ROWS_CONFIGS": _down(down_early=False)},
+    "no_down_early": {"MOE_ROWS_CONFIGS": _routed(down_early=False)},
+    # the route entries' other tiles, now that down loads early (its first wave's bytes
+    # are what it hides) and the router launch routes
+    "down_n32w8": {"MOE_ROWS_CONFIGS": _routed(mma_down_rows=32, mma_down_warps=8)},
+    "down_n16w8": {"MOE_ROWS_CONFIGS": _routed(mma_down_warps=8)},
+    "shared16": {"MOE_ROWS_CONFIGS": _routed(shared_rows=16)},
+    "shared4": {"MOE_ROWS_CONFIGS": _routed(shared_rows=4)},
+    "router16": {"MOE_ROWS_CONFIGS": _routed(router_rows=16)},
 }  # fmt: skip
 
 
