@@ -297,9 +297,8 @@ def test_the_route_entry_over_layers_at_the_tiny_model_shapes(device):
     shapes (D 128 in 2 groups, 8 experts, top 2, I and the shared I 64, one router program a
     row), four layers in a row as a step runs them (one tickets buffer, PDL, one CUDA graph
     on the GPU), replayed on new rows: every layer's every row against the reference MoE of
-    its input.
-    The op alone, as the plain tiny model's batched step runs it (that step is judged on
-    the conditioned model: tests/runtime/test_batch_decode.py)."""
+    its input. The op alone, as the plain tiny model's batched step runs it (that step is
+    judged on the conditioned model: tests/runtime/test_batch_decode.py)."""
     from lily.model.ops import MOE_ROWS_CONFIGS
 
     cfg = MOE_ROWS_CONFIGS[4]
