@@ -188,6 +188,19 @@ def _rows(cfg: ModelConfig, dtype: torch.dtype, runner, arch: Arch, note) -> Non
     finally:
         (model_ops.ROWS_MOE, model_ops.ROWS_MMA, model_ops.ROWS_PREP,
          rows_mod.OPERAND_POW2) = default  # fmt: skip
+    # The MoE's persistent gate/up (MoeDecodeConfig.gate_up_persist, off in the table until
+    # measured) on the entries that route once.
+    table = model_ops.MOE_ROWS_CONFIGS
+    model_ops.MOE_ROWS_CONFIGS = {
+        b: dataclasses.replace(c, gate_up_persist=1) if c.down_operand else c
+        for b, c in table.items()}  # fmt: skip
+    try:
+        for b in sorted(k for k, c in table.items() if c.down_operand):
+            with record_launches() as rec:
+                runner.decode_rows([0] * b, states(b, lengths[-1]))
+            note(f"decode rows B={b} context {lengths[-1]}, gate_up_persist", rec)
+    finally:
+        model_ops.MOE_ROWS_CONFIGS = table
 
 
 @functools.lru_cache(maxsize=32)

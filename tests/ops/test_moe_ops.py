@@ -326,27 +326,18 @@ def test_the_route_entry_over_layers_at_the_tiny_model_shapes(device):
                 assert moe_err(y[r], w, rms_norm(h[r], nw, 1e-6), 2, h[r]) < 2e-2, (j, r)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_down_early_equals_down_operand_over_layers(device):
-    """down_early (the down launch loads its experts' tiles before its PDL wait, from the
-    ids the router launch wrote two launches back) against the same entry without it, four
-    layers in a row under PDL in one CUDA graph (eager on the CPU), replayed on new rows:
-    bit for bit the same at every layer (only when the loads are issued differs; a tile read
-    before its ids were written is another expert's, an O(1) error), every row against the
-    reference MoE, and the launch carries it (the batched step's 4-row entry on the GPU; two
-    layers on the CPU). 3 rows at odd shapes, groups of 32: D 192 (6 groups, padded to 8), I
-    96 (a down K of 9 groups, padded to 16), 9 experts, top 3."""
-    from lily.model.ops import MOE_ROWS_CONFIGS
-
-    early = MOE_ROWS_CONFIGS[4] if device == "cuda" else dataclasses.replace(
-        ROUTE_ONCE, down_operand=True, down_early=True)  # fmt: skip
-    assert early.down_early
-    hop = dataclasses.replace(early, down_early=False)
-    n = 4 if device == "cuda" else 2  # (the interpreter: two layers keep the test short)
-    ws = [make_moe(9, 4, 32, True, seed=90 + j, device=device, d=192, i_e=96, i_s=64)
+def _same_over_layers(device: str, b: int, seed: int, form, base) -> dict:
+    """MoE configs ``form`` and ``base`` each over the same layers in a row (4 on the GPU,
+    2 under the interpreter), under PDL in one CUDA graph (eager on the CPU), replayed on
+    new rows of ``b``: ``form``'s output bit for bit ``base``'s at every layer, every row
+    against the reference MoE of its input, the tickets left at zero. Odd shapes, groups
+    of 32: D 192 (6 groups, padded to 8), I 96 (3 blocks of 32; a down K of 9 groups,
+    padded to 16), 9 experts, top 3. Returns ``form``'s launches' constexprs by kernel."""
+    n = 4 if device == "cuda" else 2
+    ws = [make_moe(9, 4, 32, True, seed=seed + j, device=device, d=192, i_e=96, i_s=64)
           for j in range(n)]  # fmt: skip
-    g = torch.Generator().manual_seed(91)
-    xs = [(2.0 * torch.randn(3, 192, generator=g)).bfloat16().to(device) for _ in range(3)]
+    g = torch.Generator().manual_seed(seed)
+    xs = [(2.0 * torch.randn(b, 192, generator=g)).bfloat16().to(device) for _ in range(3)]
     nw = (1.0 + 0.2 * torch.randn(192, generator=g)).bfloat16().to(device)
     x = xs[0].clone()
     tickets = torch.zeros(16, dtype=torch.int32, device=device)
@@ -358,18 +349,69 @@ def test_down_early_equals_down_operand_over_layers(device):
                                  pdl=True, tickets=tickets))  # fmt: skip
         return hs[1:]
 
-    assert _launched(lambda: layers(early))["_moe_down_mma_kernel"]["EARLY_W"]
-    assert not _launched(lambda: layers(hop))["_moe_down_mma_kernel"]["EARLY_W"]
-    for xi, (outs, want) in replayed(lambda: (layers(early), layers(hop)), x, xs):
+    kernels = _launched(lambda: layers(form))
+    for xi, (outs, want) in replayed(lambda: (layers(form), layers(base)), x, xs):
         assert torch.count_nonzero(tickets) == 0
         ins = [xi, *outs[:-1]]
         for j in range(n):
             assert torch.equal(outs[j], want[j]), j
-            for r in range(3):
+            for r in range(b):
                 assert moe_err(outs[j][r], ws[j], rms_norm(ins[j][r], nw, 1e-6), 3,
                                ins[j][r]) < 2e-2, (j, r)  # fmt: skip
+    return kernels
+
+
+def _route_entry(device: str) -> MoeDecodeConfig:
+    """The batched step's 4-row entry on the GPU; its routing forms on the CPU's tile."""
+    from lily.model.ops import MOE_ROWS_CONFIGS
+
+    if device == "cuda":
+        return MOE_ROWS_CONFIGS[4]
+    return dataclasses.replace(ROUTE_ONCE, down_operand=True, down_early=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_down_early_equals_down_operand_over_layers(device):
+    """down_early (the down launch loads its experts' tiles before its PDL wait, from the
+    ids the router launch wrote two launches back) against the same entry without it, over
+    layers in a row (``_same_over_layers``, 3 rows): bit for bit the same (only when the
+    loads are issued differs; a tile read before its ids were written is another
+    expert's, an O(1) error), and the launch carries it."""
+    early = _route_entry(device)
+    assert early.down_early
+    hop = dataclasses.replace(early, down_early=False)
+    assert _same_over_layers(device, 3, 90, early, hop)["_moe_down_mma_kernel"]["EARLY_W"]
+    assert not _launched(lambda: moe_decode(
+        torch.zeros(2, D, dtype=torch.bfloat16, device=device),
+        *make_moe(8, 4, 64, True, seed=1, device=device).values(), 2, config=hop,
+    ))["_moe_down_mma_kernel"]["EARLY_W"]  # fmt: skip
     with pytest.raises(ValueError, match="down_early needs down_operand"):
         MoeDecodeConfig(route_once=True, down_early=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("b,per_sm", [(3, 1), (2, 2)], ids=["3rows-1an-sm", "2rows-2an-sm"])
+def test_gate_up_persist_equals_the_row_grid_over_layers(monkeypatch, device, b, per_sm):
+    """gate_up_persist (the gate/up launch on a persistent grid: each program a run of
+    tiles, the next tile's loads issued before the current tile's MMA) against the same
+    entry on the row grid, over layers in a row (``_same_over_layers``): bit for bit the
+    same (the same MMA a tile; a tile skipped, done twice, or multiplied by another tile's
+    weights or row is an O(1) error), and the launch carries it. The grid: 4 SMs
+    (patched, on the GPU too) times ``per_sm``, so runs of several tiles end mid-slot and
+    mid-row (3 rows x 3 slots x 3 blocks of 32 = 27 tiles on 4 programs; 2 rows: 18 on
+    8)."""
+    import lily.ops.moe_decode_mma as mma_mod
+
+    monkeypatch.setattr(mma_mod, "sm_count", lambda device: 4)
+    grid = _route_entry(device)
+    persist = dataclasses.replace(grid, gate_up_persist=per_sm)
+    assert persist.mma_rows == 32 and (b * 3 * 3) % (4 * per_sm) != 0  # runs end mid-way
+    kernels = _same_over_layers(device, b, 95, persist, grid)
+    assert "_moe_gate_up_persist_kernel" in kernels and "_moe_gate_up_mma_kernel" not in kernels
+    with pytest.raises(ValueError, match="gate_up_persist needs down_operand"):
+        MoeDecodeConfig(route_once=True, gate_up_persist=1)
+    with pytest.raises(ValueError, match="gate_up_persist must be >= 0"):
+        MoeDecodeConfig(route_once=True, down_operand=True, gate_up_persist=-1)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -143,8 +143,9 @@ def cfg_str(cfg) -> str:
                 rows, warps = cfg.mma_down_rows or cfg.mma_rows, cfg.mma_down_warps or cfg.mma_warps
                 out += f" dn n{rows} w{warps}"
             out += f" rw{cfg.num_warps}" if cfg.num_warps != 4 else ""
-            return (out + (" once" if cfg.route_once else "") + (" hop" if cfg.down_operand else "")
-                    + (" early" if cfg.down_early else ""))  # fmt: skip
+            out += (" once" if cfg.route_once else "") + (" hop" if cfg.down_operand else "")
+            out += " early" if cfg.down_early else ""
+            return out + (f" persist{cfg.gate_up_persist}" if cfg.gate_up_persist else "")
         return (f"r{cfg.router_rows} s{cfg.shared_rows} gu{cfg.gate_up_rows} "
                 f"dn{cfg.down_rows} w{cfg.num_warps}/{cfg.down_warps}")  # fmt: skip
     if isinstance(cfg, MmaGemvConfig):

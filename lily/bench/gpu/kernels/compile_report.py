@@ -139,7 +139,8 @@ def compile_report(only: set[str], sweeps: Sweeps, sass_dir: str | None = None) 
                     once = dataclasses.replace(table, route_once=True)
                     hop = dataclasses.replace(once, down_operand=True)
                     early = dataclasses.replace(hop, down_early=not hop.down_early)
-                    for cfg in dict.fromkeys((table, once, hop, early)):
+                    persist = [dataclasses.replace(hop, gate_up_persist=n) for n in (1, 2)]
+                    for cfg in dict.fromkeys((table, once, hop, early, *persist)):
                         launches.append(f"moe_decode B={b} +norm pdl {cfg_str(cfg)}")
                         moe_decode(xb, *args, TOP_K, xb, norm_weight=nw, config=cfg, pdl=True)
         if "moe_prefill" in only:
@@ -217,6 +218,7 @@ def compile_report(only: set[str], sweeps: Sweeps, sass_dir: str | None = None) 
                                       text=True).stdout  # fmt: skip
             if sass_dir:
                 name = re.sub(r"[^\w.-]+", "_", f"{fn.__name__}_{label}")
+                Path(sass_dir).mkdir(parents=True, exist_ok=True)
                 (Path(sass_dir) / f"{name}.sass").write_text(sass)
             m = re.search(r"REG:(\d+) STACK:(\d+)", res)
             ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)", sass,
