@@ -46,7 +46,8 @@ if HAS_KERNELS:
     from lily.ops.embedding import DTYPES as EMBED_DTYPES
     from lily.ops.embedding import embedding_rows
     from lily.ops.mma_rows import rows_prep
-    from lily.ops.moe_decode import MoeDecodeConfig, moe_decode
+    from lily.ops.moe_decode import moe_decode
+    from lily.ops.moe_decode_config import MoeDecodeConfig
     from lily.ops.moe_decode_rows import moe_decode_rows, rows_fit
     from lily.ops.moe_prefill import moe_prefill
     from lily.ops.norm_rope import rope_inv_freq

@@ -55,7 +55,7 @@ from lily.ops.launch import (
 )
 from lily.ops.mma_rows import gate_up_rows, rows_dot, rows_operand, rows_x
 from lily.ops.moe_checks import check_moe
-from lily.ops.moe_decode import MoeDecodeConfig
+from lily.ops.moe_decode_config import MoeDecodeConfig
 from lily.ops.moe_decode_mma import mma_fits
 from lily.ops.moe_decode_parts import topk_rows
 from lily.ops.norm_rope import sigmoid

@@ -23,7 +23,7 @@ from lily.bench.gpu.kernels.moe_rows_sweep import (
     sweep_tiles,
     table_entry,
 )
-from lily.ops.moe_decode import MoeDecodeConfig
+from lily.ops.moe_decode_config import MoeDecodeConfig
 
 DEFAULT = MoeDecodeConfig()
 GATE_UP, DOWN = "_moe_gate_up_mma_kernel", "_moe_down_mma_kernel"
@@ -228,7 +228,8 @@ CHECK = """
 import json, torch
 from lily.ops.arch import force_arch
 from lily.bench.gpu.kernels.common import compile_problems
-from lily.ops.moe_decode import MoeDecodeConfig, moe_decode
+from lily.ops.moe_decode import moe_decode
+from lily.ops.moe_decode_config import MoeDecodeConfig
 from lily.quant import QuantWeight
 
 force_arch("sm_90")

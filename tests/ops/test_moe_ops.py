@@ -23,7 +23,8 @@ if not torch.cuda.is_available():
 
 from lily.model.norm import rms_norm  # noqa: E402
 from lily.model.ref import ref_moe, ref_qlinear, ref_route  # noqa: E402
-from lily.ops.moe_decode import MoeDecodeConfig, moe_decode  # noqa: E402
+from lily.ops.moe_decode import moe_decode  # noqa: E402
+from lily.ops.moe_decode_config import MoeDecodeConfig  # noqa: E402
 from lily.ops.moe_decode_parts import topk_rows  # noqa: E402
 from lily.ops.moe_prefill import MoePrefillConfig, moe_prefill, moe_prefill_config  # noqa: E402
 from lily.ops.qgemm import GemmConfig  # noqa: E402

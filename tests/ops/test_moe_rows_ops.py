@@ -29,7 +29,7 @@ if not torch.cuda.is_available():
 from lily.model.norm import rms_norm  # noqa: E402
 from lily.model.ref import ref_moe, ref_qlinear, ref_route  # noqa: E402
 from lily.ops.launch import cdiv  # noqa: E402
-from lily.ops.moe_decode import MoeDecodeConfig  # noqa: E402
+from lily.ops.moe_decode_config import MoeDecodeConfig  # noqa: E402
 from lily.ops.moe_decode_rows import RowsPlan, moe_decode_rows, rows_fit  # noqa: E402
 from tests.ops.common import rel_err, replayed  # noqa: E402
 from tests.ops.test_moe_ops import make_moe  # noqa: E402

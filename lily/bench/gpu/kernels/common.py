@@ -23,7 +23,7 @@ import triton
 from triton.testing import do_bench
 
 from lily.bench.measure import capture_graph
-from lily.ops.moe_decode import MoeDecodeConfig
+from lily.ops.moe_decode_config import MoeDecodeConfig
 from lily.ops.moe_prefill import MoePrefillConfig
 from lily.ops.qgemm import GemmConfig
 from lily.ops.qgemv import GemvConfig

@@ -35,7 +35,8 @@ from lily.bench.gpu.kernels.common import (
     zero_qweight,
 )
 from lily.ops.mma_rows import rows_prep
-from lily.ops.moe_decode import MoeDecodeConfig, moe_decode
+from lily.ops.moe_decode import moe_decode
+from lily.ops.moe_decode_config import MoeDecodeConfig
 from lily.ops.moe_prefill import moe_prefill, moe_prefill_config
 from lily.ops.qgemm import gemm_config, qgemm
 from lily.ops.qgemv import gemv_config, qgemv

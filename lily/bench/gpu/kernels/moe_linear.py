@@ -34,7 +34,8 @@ from lily.bench.gpu.kernels.common import (
 from lily.bench.measure import attempt, capture_graph, kernel_times
 from lily.model.norm import rms_norm
 from lily.model.ref import ref_moe, ref_qlinear, ref_route
-from lily.ops.moe_decode import MoeDecodeConfig, moe_decode
+from lily.ops.moe_decode import moe_decode
+from lily.ops.moe_decode_config import MoeDecodeConfig
 from lily.ops.moe_prefill import MoePrefillConfig, moe_prefill, moe_prefill_config
 from lily.ops.qgemv import qgemv
 from lily.quant import QuantWeight, quantize

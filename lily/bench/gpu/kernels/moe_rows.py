@@ -85,7 +85,8 @@ from lily.bench.measure import attempt, capture_graph, kernel_times, replay_ms
 from lily.model.norm import rms_norm
 from lily.model.ops import moe_rows_config
 from lily.model.ref import ref_moe, ref_qlinear, ref_route
-from lily.ops.moe_decode import MoeDecodeConfig, moe_decode
+from lily.ops.moe_decode import moe_decode
+from lily.ops.moe_decode_config import MoeDecodeConfig
 from lily.ops.moe_decode_rows import moe_decode_rows
 from lily.ops.moe_prefill import moe_prefill
 from lily.ops.rmsnorm import rmsnorm

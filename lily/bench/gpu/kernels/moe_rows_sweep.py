@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from lily.bench.gpu.kernels.common import against_table, than_table
-from lily.ops.moe_decode import MoeDecodeConfig
+from lily.ops.moe_decode_config import MoeDecodeConfig
 
 # The sweep (--variants): tensor-core tiles, and the first launch's fields one at a time.
 SWEEP_ROWS, SWEEP_WARPS = (16, 32, 64), (4, 8, 16)

@@ -37,7 +37,8 @@ from lily.bench.gpu.kernels.common import (
 from lily.bench.measure import attempt
 from lily.model.norm import rms_norm
 from lily.model.ref import ref_moe, ref_qlinear
-from lily.ops.moe_decode import MoeDecodeConfig, moe_decode
+from lily.ops.moe_decode import moe_decode
+from lily.ops.moe_decode_config import MoeDecodeConfig
 from lily.ops.moe_prefill import (
     MoePrefillConfig,
     moe_prefill,
