@@ -55,6 +55,19 @@ def gate_up_tiles(
     return g_w, g_s, g_b, u_w, u_s, u_b
 
 
+@triton.jit
+def store_h_op(p_hop, b_h, w, r, slot, o_n, I_E, HG: tl.constexpr, GROUP: tl.constexpr,
+               ON_CPU: tl.constexpr):  # fmt: skip
+    """down_operand: a gate/up tile's h (rows o_n of slot ``slot``'s expert, row r) times
+    its routing weight w, rounded to bf16 (as moe_prefill stores it), into the down
+    launch's operand: K = the k slots' I, in the codes' K order a group (prep_store's
+    layout; the slots start on whole groups)."""
+    b_h = to_bf16(b_h * w, ON_CPU)
+    o_k = slot * I_E + o_n
+    p_o = p_hop + r * (HG * GROUP) + (o_k // GROUP) * GROUP
+    tl.store(p_o + k_order(o_k % GROUP, GROUP // 32), b_h, mask=o_n < I_E)
+
+
 @launched
 @triton.jit
 def _moe_gate_up_mma_kernel(
@@ -97,13 +110,8 @@ def _moe_gate_up_mma_kernel(
     o_n = row0 + tl.arange(0, BLOCK_N)
     b_h = b_g * sigmoid(b_g) * b_u
     if H_OP:
-        # down_operand: h times its routing weight, rounded to bf16 (as moe_prefill stores
-        # it), straight into the down launch's operand: K = the k slots' I, in the codes'
-        # K order a group (prep_store's layout; the slots start on whole groups)
-        b_h = to_bf16(b_h * tl.load(p_wts + slot), ON_CPU)
-        o_k = slot * I_E + o_n
-        p_hop += tl.program_id(1) * (HG * GROUP) + (o_k // GROUP) * GROUP
-        tl.store(p_hop + k_order(o_k % GROUP, GROUP // 32), b_h, mask=o_n < I_E)
+        store_h_op(p_hop, b_h, tl.load(p_wts + slot), tl.program_id(1), slot, o_n, I_E, HG,
+                   GROUP, ON_CPU)  # fmt: skip
     else:
         tl.store(p_h + slot * stride_h + o_n, b_h, mask=o_n < I_E)
 
@@ -155,10 +163,8 @@ def _moe_gate_up_persist_kernel(
         b_g = mma_dot(g_w, g_s, g_b, b_xb, b_xs, pair_mask, G, BLOCK_N, W, 1, ON_CPU)
         b_u = mma_dot(u_w, u_s, u_b, b_xb, b_xs, pair_mask, G, BLOCK_N, W, 1, ON_CPU)
         o_n = (t % N_BLOCKS) * BLOCK_N + tl.arange(0, BLOCK_N)
-        b_h = to_bf16(b_g * sigmoid(b_g) * b_u * tl.load(p_wts + pair), ON_CPU)
-        o_k = slot * I_E + o_n
-        p_o = p_hop + r * (HG * GROUP) + (o_k // GROUP) * GROUP
-        tl.store(p_o + k_order(o_k % GROUP, GROUP // 32), b_h, mask=o_n < I_E)
+        store_h_op(p_hop, b_g * sigmoid(b_g) * b_u, tl.load(p_wts + pair), r, slot, o_n, I_E,
+                   HG, GROUP, ON_CPU)  # fmt: skip
         g_w, g_s, g_b, u_w, u_s, u_b = nxt
 
 
