@@ -15,6 +15,7 @@ flash attention's key split, picked from the SM count of a real GPU).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable
@@ -169,6 +170,13 @@ def _rows(cfg: ModelConfig, dtype: torch.dtype, runner, arch: Arch, note) -> Non
         with record_launches() as rec:
             runner.decode_rows([0] * b, states(b, lengths[-1]))
         note(f"decode rows B={b} context {lengths[-1]}", rec)
+
+    def passed(bs, label: str) -> None:
+        for b in bs:
+            with record_launches() as rec:
+                runner.decode_rows([0] * b, states(b, lengths[-1]))
+            note(f"decode rows B={b} context {lengths[-1]}, {label}", rec)
+
     # The batched kernels behind the engine's switches (lily/model/ops.py: ROWS_MOE, the
     # MoE's; ROWS_MMA, the projections' and the head's; ROWS_PREP, their normed rows
     # prepared; lily/ops/qgemv_mma_rows.py OPERAND_POW2, the others' operand on pow2(B),
@@ -176,31 +184,30 @@ def _rows(cfg: ModelConfig, dtype: torch.dtype, runner, arch: Arch, note) -> Non
     import lily.model.ops as model_ops
     import lily.ops.qgemv_mma_rows as rows_mod
 
-    default = (model_ops.ROWS_MOE, model_ops.ROWS_MMA, model_ops.ROWS_PREP,
-               rows_mod.OPERAND_POW2)  # fmt: skip
-    model_ops.ROWS_MOE = model_ops.ROWS_MMA = model_ops.ROWS_PREP = True
-    rows_mod.OPERAND_POW2 = False
-    try:
-        for b in range(2, MAX_ROWS + 1):
-            with record_launches() as rec:
-                runner.decode_rows([0] * b, states(b, lengths[-1]))
-            note(f"decode rows B={b} context {lengths[-1]}, ROWS_PREP operand8 ROWS_MOE", rec)
-    finally:
-        (model_ops.ROWS_MOE, model_ops.ROWS_MMA, model_ops.ROWS_PREP,
-         rows_mod.OPERAND_POW2) = default  # fmt: skip
+    on = ((model_ops, "ROWS_MOE", True), (model_ops, "ROWS_MMA", True),
+          (model_ops, "ROWS_PREP", True), (rows_mod, "OPERAND_POW2", False))  # fmt: skip
+    with _switched(on):
+        passed(range(2, MAX_ROWS + 1), "ROWS_PREP operand8 ROWS_MOE")
     # The MoE's persistent gate/up (MoeDecodeConfig.gate_up_persist, off in the table until
     # measured) on the entries that route once.
     table = model_ops.MOE_ROWS_CONFIGS
-    model_ops.MOE_ROWS_CONFIGS = {
-        b: dataclasses.replace(c, gate_up_persist=1) if c.down_operand else c
-        for b, c in table.items()}  # fmt: skip
+    persist = model_ops.routed_entries(table, gate_up_persist=1)
+    with _switched([(model_ops, "MOE_ROWS_CONFIGS", persist)]):
+        passed(sorted(b for b, c in table.items() if c.down_operand), "gate_up_persist")
+
+
+@contextlib.contextmanager
+def _switched(switches):
+    """Module attributes set to the given values while recording, put back afterwards:
+    (module, name, value) each."""
+    old = [(m, n, getattr(m, n)) for m, n, _ in switches]
+    for m, n, v in switches:
+        setattr(m, n, v)
     try:
-        for b in sorted(k for k, c in table.items() if c.down_operand):
-            with record_launches() as rec:
-                runner.decode_rows([0] * b, states(b, lengths[-1]))
-            note(f"decode rows B={b} context {lengths[-1]}, gate_up_persist", rec)
+        yield
     finally:
-        model_ops.MOE_ROWS_CONFIGS = table
+        for m, n, v in old:
+            setattr(m, n, v)
 
 
 @functools.lru_cache(maxsize=32)
