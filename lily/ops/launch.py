@@ -4,7 +4,6 @@ small integer helpers, and programmatic-dependent-launch options."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import weakref
 
@@ -102,15 +101,6 @@ def pdl_launch(pdl: bool) -> dict:
     """Launch options for programmatic dependent launch (nothing when off, so the kernels
     compiled without it keep their cache entries)."""
     return {"launch_pdl": True} if pdl else {}
-
-
-@functools.lru_cache(maxsize=8)
-def sm_count(device: torch.device) -> int:
-    """The device's SMs, for persistent grids; 4 off CUDA (the interpreter has none: a few
-    programs, so that each takes a run of several tiles)."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def use_pdl(pdl: bool, device: torch.device) -> bool:

@@ -188,12 +188,6 @@ def _rows(cfg: ModelConfig, dtype: torch.dtype, runner, arch: Arch, note) -> Non
           (model_ops, "ROWS_PREP", True), (rows_mod, "OPERAND_POW2", False))  # fmt: skip
     with _switched(on):
         passed(range(2, MAX_ROWS + 1), "ROWS_PREP operand8 ROWS_MOE")
-    # The MoE's persistent gate/up (MoeDecodeConfig.gate_up_persist, off in the table until
-    # measured) on the entries that route once.
-    table = model_ops.MOE_ROWS_CONFIGS
-    persist = model_ops.routed_entries(table, gate_up_persist=1)
-    with _switched([(model_ops, "MOE_ROWS_CONFIGS", persist)]):
-        passed(sorted(b for b, c in table.items() if c.down_operand), "gate_up_persist")
 
 
 @contextlib.contextmanager

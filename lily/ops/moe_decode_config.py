@@ -32,9 +32,6 @@ class MoeDecodeConfig:
     their PDL wait. The router launch wrote the expert ids two launches back, so they are
     there once the gate/up launch lets down start, and down's first programs stream their
     weights in the gate/up launch's last wave instead of after it.
-    gate_up_persist (with down_operand): the gate/up launch on a persistent grid of this
-    many programs an SM (0: a program a tile, the row grid), each taking a run of tiles
-    and loading the next while it multiplies the current (``_moe_gate_up_persist_kernel``).
     """
 
     router_rows: int = 4
@@ -51,7 +48,6 @@ class MoeDecodeConfig:
     route_once: bool = False
     down_operand: bool = False
     down_early: bool = False
-    gate_up_persist: int = 0
 
     def __post_init__(self) -> None:
         for name in ("router_rows", "shared_rows", "gate_up_rows", "down_rows", "num_warps",
@@ -67,12 +63,6 @@ class MoeDecodeConfig:
         if self.down_operand and not self.route_once:
             raise ValueError("MoeDecodeConfig.down_operand needs route_once (the routing "
                              "weights before the gate/up launch)")  # fmt: skip
-        if self.gate_up_persist < 0:
-            raise ValueError(f"MoeDecodeConfig.gate_up_persist must be >= 0, got "
-                             f"{self.gate_up_persist}")  # fmt: skip
-        if self.gate_up_persist and not self.down_operand:
-            raise ValueError("MoeDecodeConfig.gate_up_persist needs down_operand (its "
-                             "programs write the down launch's operand)")  # fmt: skip
         if self.down_early and not self.down_operand:
             raise ValueError("MoeDecodeConfig.down_early needs down_operand (the expert ids "
                              "from the router launch, two launches before down)")  # fmt: skip

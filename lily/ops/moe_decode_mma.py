@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lily.ops.launch import cdiv, launched, mask_lo, pdl_launch, pow2, sm_count
+from lily.ops.launch import cdiv, launched, mask_lo, pdl_launch, pow2
 from lily.ops.mma_rows import k_order, row_operand, row_prepped
 from lily.ops.moe_decode_parts import (
     down_early,
@@ -118,58 +118,6 @@ def _moe_gate_up_mma_kernel(
 
 @launched
 @triton.jit
-def _moe_gate_up_persist_kernel(
-    p_ids, p_wts, p_op, p_sum, p_hop, p_gw, p_gs, p_gb, p_uw, p_us, p_ub, stride_we,
-    stride_se, stride_qn, stride_sn, I_E, N_TILES, pair_mask,
-    TOP_K: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, G: tl.constexpr,
-    BLOCK_N: tl.constexpr, W: tl.constexpr, N_BLOCKS: tl.constexpr, HG: tl.constexpr,
-    EVEN_K: tl.constexpr, ON_CPU: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    # _moe_gate_up_mma_kernel's route_once + down_operand form on a persistent grid: this
-    # program takes a contiguous run of the B x k x N_BLOCKS tiles (row, slot, block of
-    # rows; consecutive tiles share a row's x' and an expert's rows) and issues each next
-    # tile's loads before the current tile's MMA, so its loads stream while it computes
-    # (the row grid's programs load, then compute, and an SM's pair of them tends to do
-    # both at once: docs/notes/batching.md). The per-tile arithmetic and output are the
-    # row grid's.
-    pid = tl.program_id(0)
-    n_progs = tl.num_programs(0)
-    t0 = pid * N_TILES // n_progs
-    t1 = (pid + 1) * N_TILES // n_progs
-    pdl_wait(PDL)  # the router launch wrote the ids, the weights and x'
-    pair = tl.minimum(t0, N_TILES - 1) // N_BLOCKS  # (row, slot) of tile t0
-    e64 = tl.load(p_ids + pair).to(tl.int64)
-    n_cur = tl.where(t0 < t1, I_E, 0)
-    cur = gate_up_tiles(
-        p_gw, p_gs, p_gb, p_uw, p_us, p_ub, p_ids, e64, (t0 % N_BLOCKS) * BLOCK_N, n_cur,
-        stride_we, stride_se, stride_qn, stride_sn, GROUP, NG, G, BLOCK_N, W, False, EVEN_K,
-    )  # fmt: skip
-    g_w, g_s, g_b, u_w, u_s, u_b = cur
-    for t in range(t0, t1):
-        # the next tile's loads first (masked past the run: N = 0)
-        tn = t + 1
-        pair_n = tl.minimum(tn, N_TILES - 1) // N_BLOCKS
-        e_n = tl.load(p_ids + pair_n).to(tl.int64)
-        nxt = gate_up_tiles(
-            p_gw, p_gs, p_gb, p_uw, p_us, p_ub, p_ids, e_n, (tn % N_BLOCKS) * BLOCK_N,
-            tl.where(tn < t1, I_E, 0), stride_we, stride_se, stride_qn, stride_sn, GROUP, NG,
-            G, BLOCK_N, W, False, EVEN_K,
-        )  # fmt: skip
-        # then this tile: x' of its row, the MMAs, h into the down launch's operand
-        pair = t // N_BLOCKS
-        r = pair // TOP_K
-        slot = pair % TOP_K
-        b_xb, b_xs = row_prepped(p_op + r * (G * GROUP), p_sum + r * G, G, GROUP, W, ON_CPU)
-        b_g = mma_dot(g_w, g_s, g_b, b_xb, b_xs, pair_mask, G, BLOCK_N, W, 1, ON_CPU)
-        b_u = mma_dot(u_w, u_s, u_b, b_xb, b_xs, pair_mask, G, BLOCK_N, W, 1, ON_CPU)
-        o_n = (t % N_BLOCKS) * BLOCK_N + tl.arange(0, BLOCK_N)
-        store_h_op(p_hop, b_g * sigmoid(b_g) * b_u, tl.load(p_wts + pair), r, slot, o_n, I_E,
-                   HG, GROUP, ON_CPU)  # fmt: skip
-        g_w, g_s, g_b, u_w, u_s, u_b = nxt
-
-
-@launched
-@triton.jit
 def _moe_down_mma_kernel(
     p_h, p_ids, p_wts, p_logits, p_res, p_out, p_hop, stride_xt, stride_lt, stride_hb,
     p_dw, p_ds, p_db, stride_we, stride_se, stride_qn, stride_sn,
@@ -259,26 +207,16 @@ def moe_mma_experts(
     h_op = prepared is not None and cfg.down_operand
     # (B, HG groups, GROUP) bf16; groups past k * SG are never written (read as zeros)
     hop = torch.empty((b, hg, gs), dtype=torch.bfloat16, device=x.device) if h_op else h
-    if h_op and cfg.gate_up_persist:
-        tiles = b * top_k * nb
-        _moe_gate_up_persist_kernel[(min(tiles, cfg.gate_up_persist * sm_count(x.device)),)](
-            ids, wts, op, sums, hop, gate.qweight, gate.scales, gate.biases, up.qweight,
-            up.scales, up.biases, gate.qweight.stride(0), gate.scales.stride(0),
-            gate.qweight.stride(1), gate.scales.stride(1), i, tiles, PAIR_MASK,
-            TOP_K=top_k, GROUP=gs, NG=ng, G=g, BLOCK_N=bn, W=w, N_BLOCKS=nb, HG=hg,
-            EVEN_K=g == ng, ON_CPU=on_cpu, PDL=pdl, num_warps=w, **pdl_launch(pdl),
-        )  # fmt: skip
-    else:
-        _moe_gate_up_mma_kernel[(top_k * nb, b)](
-            x, nw, logits, ids, wts, h, op, sums, hop, *rows,
-            gate.qweight, gate.scales, gate.biases, up.qweight, up.scales, up.biases,
-            gate.qweight.stride(0), gate.scales.stride(0), gate.qweight.stride(1),
-            gate.scales.stride(1), e, i, h.stride(1), PAIR_MASK, float(eps),
-            TOP_K=top_k, BLOCK_K=pow2(top_k), BLOCK_E=pow2(e), GROUP=gs, NG=ng, G=g,
-            BLOCK_N=bn, W=w, N_BLOCKS=nb, TERMS=X_TERMS[x.dtype], HAS_NORM=has_norm,
-            ROUTED=prepared is not None, H_OP=h_op, HG=hg, EVEN_N=i % bn == 0,
-            EVEN_K=g == ng, ON_CPU=on_cpu, PDL=pdl, num_warps=w, **pdl_launch(pdl),
-        )  # fmt: skip
+    _moe_gate_up_mma_kernel[(top_k * nb, b)](
+        x, nw, logits, ids, wts, h, op, sums, hop, *rows,
+        gate.qweight, gate.scales, gate.biases, up.qweight, up.scales, up.biases,
+        gate.qweight.stride(0), gate.scales.stride(0), gate.qweight.stride(1),
+        gate.scales.stride(1), e, i, h.stride(1), PAIR_MASK, float(eps),
+        TOP_K=top_k, BLOCK_K=pow2(top_k), BLOCK_E=pow2(e), GROUP=gs, NG=ng, G=g,
+        BLOCK_N=bn, W=w, N_BLOCKS=nb, TERMS=X_TERMS[x.dtype], HAS_NORM=has_norm,
+        ROUTED=prepared is not None, H_OP=h_op, HG=hg, EVEN_N=i % bn == 0,
+        EVEN_K=g == ng, ON_CPU=on_cpu, PDL=pdl, num_warps=w, **pdl_launch(pdl),
+    )  # fmt: skip
     # down: K = the k slots' I; one program a bn rows of D (its own tile where given)
     bn, w = cfg.mma_down_rows or bn, cfg.mma_down_warps or cfg.mma_warps
     w = min(w, hg)

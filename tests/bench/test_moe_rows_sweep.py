@@ -98,15 +98,12 @@ def test_combined_takes_each_launch_from_its_fastest_line():
     got = combined(DEFAULT, [*lines, line(once, 70, 20, 35, 12), line(once_rt, 90, 40, 35, 11)])
     assert got == MoeDecodeConfig(router_rows=16, mma_rows=32, mma_warps=8, mma_down_rows=16,
                                   mma_down_warps=16, route_once=True)  # fmt: skip
-    # a table entry loading down early (or on the persistent gate/up) keeps it where the
-    # fastest gate/up writes down's operand, and drops it where not (both need it)
-    table = MoeDecodeConfig(route_once=True, down_operand=True, down_early=True,
-                            gate_up_persist=1)  # fmt: skip
+    # a table entry loading down early keeps it where the fastest gate/up writes down's
+    # operand, and drops it where not (it needs it)
+    table = MoeDecodeConfig(route_once=True, down_operand=True, down_early=True)
     assert combined(table, lines).down_early is False
-    assert combined(table, lines).gate_up_persist == 0
     hop = MoeDecodeConfig(mma_rows=32, mma_warps=8, route_once=True, down_operand=True)
-    kept = combined(table, [*lines, line(hop, 60, 15, 35, 9)])
-    assert kept.down_early is True and kept.gate_up_persist == 1
+    assert combined(table, [*lines, line(hop, 60, 15, 35, 9)]).down_early is True
     top = best_of(8, [{**lines[0], "config": "table, pdl"}, *lines[1:]])
     assert top["time_us"] == 80 and top["table_us"] == 90 and top["speedup"] == 90 / 80
     assert top["entry"] == "8: MoeDecodeConfig(mma_rows=32, mma_warps=16),"

@@ -391,31 +391,6 @@ def test_down_early_equals_down_operand_over_layers(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("b,per_sm", [(3, 1), (2, 2)], ids=["3rows-1an-sm", "2rows-2an-sm"])
-def test_gate_up_persist_equals_the_row_grid_over_layers(monkeypatch, device, b, per_sm):
-    """gate_up_persist (the gate/up launch on a persistent grid: each program a run of
-    tiles, the next tile's loads issued before the current tile's MMA) against the same
-    entry on the row grid, over layers in a row (``_same_over_layers``): bit for bit the
-    same (the same MMA a tile; a tile skipped, done twice, or multiplied by another tile's
-    weights or row is an O(1) error), and the launch carries it. The grid: 4 SMs
-    (patched, on the GPU too) times ``per_sm``, so runs of several tiles end mid-slot and
-    mid-row (3 rows x 3 slots x 3 blocks of 32 = 27 tiles on 4 programs; 2 rows: 18 on
-    8)."""
-    import lily.ops.moe_decode_mma as mma_mod
-
-    monkeypatch.setattr(mma_mod, "sm_count", lambda device: 4)
-    grid = _route_entry(device)
-    persist = dataclasses.replace(grid, gate_up_persist=per_sm)
-    assert persist.mma_rows == 32 and (b * 3 * 3) % (4 * per_sm) != 0  # runs end mid-way
-    kernels = _same_over_layers(device, b, 95, persist, grid)
-    assert "_moe_gate_up_persist_kernel" in kernels and "_moe_gate_up_mma_kernel" not in kernels
-    with pytest.raises(ValueError, match="gate_up_persist needs down_operand"):
-        MoeDecodeConfig(route_once=True, gate_up_persist=1)
-    with pytest.raises(ValueError, match="gate_up_persist must be >= 0"):
-        MoeDecodeConfig(route_once=True, down_operand=True, gate_up_persist=-1)
-
-
-@pytest.mark.parametrize("device", DEVICES)
 def test_moe_decode_replays_on_new_tokens(device):
     """Two tokens through one captured call (a CUDA graph on the GPU, as the decode step
     runs, with programmatic dependent launch; two eager calls on the CPU, where ``pdl`` is a

@@ -253,9 +253,7 @@ def test_the_batched_step_takes_the_rows_kernel():
     on meta tensors, what the warm-up runs for every batch size) sends every layer's MoE
     through moe_decode's three launches over the rows at 2 to 16 rows, and with ROWS_MOE
     through moe_decode_rows' four; never through moe_prefill. 8-bit experts take
-    moe_decode's FMA launches either way (moe_decode_rows takes 4-bit experts only). The
-    matrix's gate_up_persist pass takes the persistent gate/up at the entries that route
-    once (4 and 8 rows), and only there."""
+    moe_decode's FMA launches either way (moe_decode_rows takes 4-bit experts only)."""
     from lily.ops.arch import DEFAULT
     from lily.ops.launchable import Variant, launches
 
@@ -263,8 +261,8 @@ def test_the_batched_step_takes_the_rows_kernel():
         tail = where.split(", ")[-1] if ", " in where else ""
         return "ROWS_MOE" if tail.endswith("ROWS_MOE") else tail
 
-    def in_rows(found, module: str, rows_moe: bool, tag: str = "") -> dict[str, set[int]]:
-        tag = "ROWS_MOE" if rows_moe else tag
+    def in_rows(found, module: str, rows_moe: bool) -> dict[str, set[int]]:
+        tag = "ROWS_MOE" if rows_moe else ""
         out: dict[str, set[int]] = {}
         for launch, where in found.items():
             bs = {int(w.split("B=")[1].split()[0]) for w in where
@@ -286,10 +284,6 @@ def test_the_batched_step_takes_the_rows_kernel():
     }
     for rows_moe in (False, True):
         assert in_rows(full, "moe_prefill", rows_moe) == {}
-    assert in_rows(full, "moe_decode_mma", False, "gate_up_persist") == {
-        "_moe_gate_up_persist_kernel": {4, 8},
-        "_moe_down_mma_kernel": {4, 8},
-    }
     eight = launches(Variant("tiny", "mlx8"), DEFAULT)
     for rows_moe in (False, True):
         assert in_rows(eight, "moe_decode_rows", rows_moe) == {}

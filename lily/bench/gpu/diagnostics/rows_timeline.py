@@ -13,9 +13,7 @@ qgemv/qgemm), ``rows_moe`` (the MoE on moe_decode_rows), ``rows_prep`` /
 program routing its row: lily/model/ops.py MOE_ROWS_EVERY), and on the entries that route
 once: ``no_down_early`` (the down launch's experts' tiles loaded after its PDL wait),
 ``down_n32w8`` / ``down_n16w8`` (the down launch's tile), ``shared16`` / ``shared4`` (the
-shared expert's rows a router-launch program), ``router16`` (router rows a program),
-``gu_persist`` / ``gu_persist_n16`` (gate/up on a persistent grid loading its next tile
-while it multiplies, MoeDecodeConfig.gate_up_persist; 32 or 16 rows a tile).
+shared expert's rows a router-launch program), ``router16`` (router rows a program).
 
     python3 -m lily.bench.gpu.diagnostics.rows_timeline --rows 2,4,8 --out $OUT/rows.json
 """
@@ -58,8 +56,6 @@ SWITCHES = {
     "shared16": {"MOE_ROWS_CONFIGS": _routed(shared_rows=16)},
     "shared4": {"MOE_ROWS_CONFIGS": _routed(shared_rows=4)},
     "router16": {"MOE_ROWS_CONFIGS": _routed(router_rows=16)},
-    "gu_persist": {"MOE_ROWS_CONFIGS": _routed(gate_up_persist=1)},
-    "gu_persist_n16": {"MOE_ROWS_CONFIGS": _routed(gate_up_persist=1, mma_rows=16)},
 }  # fmt: skip
 
 

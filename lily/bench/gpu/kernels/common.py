@@ -144,8 +144,7 @@ def cfg_str(cfg) -> str:
                 out += f" dn n{rows} w{warps}"
             out += f" rw{cfg.num_warps}" if cfg.num_warps != 4 else ""
             out += (" once" if cfg.route_once else "") + (" hop" if cfg.down_operand else "")
-            out += " early" if cfg.down_early else ""
-            return out + (f" persist{cfg.gate_up_persist}" if cfg.gate_up_persist else "")
+            return out + (" early" if cfg.down_early else "")
         return (f"r{cfg.router_rows} s{cfg.shared_rows} gu{cfg.gate_up_rows} "
                 f"dn{cfg.down_rows} w{cfg.num_warps}/{cfg.down_warps}")  # fmt: skip
     if isinstance(cfg, MmaGemvConfig):

@@ -114,7 +114,6 @@ def combined(base: MoeDecodeConfig, lines: list[dict]) -> MoeDecodeConfig | None
         mma_rows=gu.mma_rows, mma_warps=gu.mma_warps, mma_down_rows=rows, mma_down_warps=warps,
         route_once=gu.route_once, down_operand=gu.down_operand,
         down_early=base.down_early and gu.down_operand,
-        gate_up_persist=base.gate_up_persist if gu.down_operand else 0,
     ))  # fmt: skip
 
 
