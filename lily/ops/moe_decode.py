@@ -90,23 +90,21 @@ def _gate_up(
 
 
 @triton.jit
-def _row_gemv(p_x, m_row, p_nw, eps, D, b_w, b_s, b_b, mask_lo, p_out, o_n, m_n,
-              BITS: tl.constexpr, GROUP: tl.constexpr, BG: tl.constexpr,
-              HAS_NORM: tl.constexpr, ON_CPU: tl.constexpr):  # fmt: skip
-    """x' @ w[o_n].T of one row x (whole K in one step) from its loaded words, fp32 into
-    p_out + o_n where m_n; nothing read or written for a row past the batch (not m_row).
-    gemv_block's one-row arithmetic op for op (the statistics from the loaded row), so a
-    program that loads the words once for several rows gives each row its own bits."""
-    b_x, b_nw = load_x(p_x, p_nw, 0, D // GROUP, m_row, HAS_NORM, BITS, GROUP, BG)
+def _row_gemv(p_x, p_nw, eps, D, b_w, b_s, b_b, mask_lo, BITS: tl.constexpr,
+              GROUP: tl.constexpr, BG: tl.constexpr, HAS_NORM: tl.constexpr,
+              ON_CPU: tl.constexpr):  # fmt: skip
+    """fp32 (1, BN) = x' @ w[rows].T of one row x from its loaded words (whole K in one
+    step): gemv_block's one-row arithmetic op for op (the statistics from the loaded row),
+    so a program that loads the words once for several rows gives each row's bits."""
+    b_x, b_nw = load_x(p_x, p_nw, 0, D // GROUP, True, HAS_NORM, BITS, GROUP, BG)
     rstd = tl.full((1,), 1.0, tl.float32)
     if HAS_NORM:
         b_xf = b_x.to(tl.float32)
         rstd = rstd / tl.sqrt_rn(tl.sum(tl.sum(b_xf * b_xf, axis=1), axis=0) / D + eps)
     b_xn = norm_x(b_x, b_nw, tl.sum(rstd, axis=0), HAS_NORM, ON_CPU)
     # (+ 0 as gemv_block's accumulator adds it: -0.0 comes out as +0.0 alike)
-    acc = tl.zeros((1, b_w.shape[0]), tl.float32)
-    acc += gemv_tile(b_w, b_s, b_b, b_xn, mask_lo, BITS, BG)[None, :]
-    tl.store(p_out + o_n[None, :], acc, mask=(m_n & m_row)[None, :])
+    return tl.zeros((1, b_w.shape[0]), tl.float32) + gemv_tile(b_w, b_s, b_b, b_xn, mask_lo,
+                                                               BITS, BG)[None, :]  # fmt: skip
 
 
 @launched
@@ -138,15 +136,14 @@ def _moe_router_kernel(
         b_rw, b_rs, b_rb = load_words(p_rw, p_rs, p_rb, stride_rqn, stride_rsn, o_r, o_r < E,
                                       0, D // R_GROUP, R_BITS, R_GROUP, R_BG)  # fmt: skip
         pdl_wait(PDL)
-        # (rows past the batch masked, not branched around: the rows' unpacking of the
-        # same words is then common to all of them)
         for t in tl.static_range(BR):
             r = r0 + t
-            p_l = p_logits + r * stride_lt
-            _row_gemv(p_x + r * stride_xt, r < B, p_nw, eps, D, b_rw, b_rs, b_rb, mask_lo_r, p_l,
-                      o_r, o_r < E, R_BITS, R_GROUP, R_BG, HAS_NORM, ON_CPU)  # fmt: skip
-            if ROUTED:
-                if r < B:
+            if r < B:
+                b_r = _row_gemv(p_x + r * stride_xt, p_nw, eps, D, b_rw, b_rs, b_rb, mask_lo_r,
+                                R_BITS, R_GROUP, R_BG, HAS_NORM, ON_CPU)  # fmt: skip
+                p_l = p_logits + r * stride_lt
+                tl.store(p_l + o_r[None, :], b_r, mask=(o_r < E)[None, :])
+                if ROUTED:
                     route_once(p_x + r * stride_xt, p_nw, eps, p_l, p_ids + r * TOP_K,
                                p_wts + r * TOP_K, p_op + r * (G * GROUP), p_sum + r * G,
                                p_ticket + r, E, R_PROGS, TOP_K, BLOCK_K, BLOCK_E, GROUP, NG,
@@ -159,14 +156,15 @@ def _moe_router_kernel(
         pdl_wait(PDL)
         for t in tl.static_range(BR):
             r = r0 + t
-            _row_gemv(p_x + r * stride_xt, r < B, p_nw, eps, D, b_cw, b_cs, b_cb, mask_lo_c,
-                      p_logits + r * stride_lt + E, o_c, o_c < 1, C_BITS, C_GROUP, C_BG,
-                      HAS_NORM, ON_CPU)  # fmt: skip
-            if ROUTED:
-                # route_once's x', here beside the ticket rather than on its tail (measured
-                # on the H100: the router launch took 9.2 -> 12 us with both on the tail,
-                # 8 rows)
-                if r < B:
+            if r < B:
+                b_c = _row_gemv(p_x + r * stride_xt, p_nw, eps, D, b_cw, b_cs, b_cb, mask_lo_c,
+                                C_BITS, C_GROUP, C_BG, HAS_NORM, ON_CPU)  # fmt: skip
+                tl.store(p_logits + r * stride_lt + E + o_c[None, :], b_c,
+                         mask=(o_c < 1)[None, :])  # fmt: skip
+                if ROUTED:
+                    # route_once's x', here beside the ticket rather than on its tail
+                    # (measured on the H100: the router launch took 9.2 -> 12 us with both
+                    # on the tail, 8 rows)
                     prep_row(p_x + r * stride_xt, p_nw, eps, p_op + r * (G * GROUP),
                              p_sum + r * G, GROUP, NG, G, HAS_NORM, ON_CPU)  # fmt: skip
     else:
@@ -180,11 +178,12 @@ def _moe_router_kernel(
         pdl_wait(PDL)
         for t in tl.static_range(BR):
             r = r0 + t
-            b_xs, b_nws = load_x(p_x + r * stride_xt, p_nw, 0, D // GROUP, r < B, HAS_NORM,
-                                 BITS, GROUP, S_BG)  # fmt: skip
-            b_h = _gate_up(b_gw, b_gs, b_gb, b_uw, b_us, b_ub, b_xs, b_nws, eps, D, mask_lo,
-                           BITS, S_BG, HAS_NORM, ON_CPU)  # fmt: skip
-            tl.store(p_h + r * stride_hb + TOP_K * stride_h + o_s, b_h, mask=m_s & (r < B))
+            if r < B:
+                b_xs, b_nws = load_x(p_x + r * stride_xt, p_nw, 0, D // GROUP, True, HAS_NORM,
+                                     BITS, GROUP, S_BG)  # fmt: skip
+                b_h = _gate_up(b_gw, b_gs, b_gb, b_uw, b_us, b_ub, b_xs, b_nws, eps, D, mask_lo,
+                               BITS, S_BG, HAS_NORM, ON_CPU)  # fmt: skip
+                tl.store(p_h + r * stride_hb + TOP_K * stride_h + o_s, b_h, mask=m_s)
 
 
 @launched
