@@ -54,8 +54,8 @@ from lily.ops.moe_decode_parts import (
 )
 from lily.ops.norm_rope import sigmoid
 from lily.ops.qgemv import as_f as _as_f
-from lily.ops.qgemv import gemv_tile, load_words, load_x, pdl_wait
-from lily.ops.rmsnorm import norm_x
+from lily.ops.qgemv import gemv_block, gemv_tile, load_words, load_x, pdl_wait
+from lily.ops.rmsnorm import norm_meta, norm_x
 from lily.quant import QuantWeight
 
 Tensor = torch.Tensor
@@ -89,24 +89,6 @@ def _gate_up(
     return b_g * sigmoid(b_g) * b_u
 
 
-@triton.jit
-def _row_gemv(p_x, p_nw, eps, D, b_w, b_s, b_b, mask_lo, BITS: tl.constexpr,
-              GROUP: tl.constexpr, BG: tl.constexpr, HAS_NORM: tl.constexpr,
-              ON_CPU: tl.constexpr):  # fmt: skip
-    """fp32 (1, BN) = x' @ w[rows].T of one row x from its loaded words (whole K in one
-    step): gemv_block's one-row arithmetic op for op (the statistics from the loaded row),
-    so a program that loads the words once for several rows gives each row's bits."""
-    b_x, b_nw = load_x(p_x, p_nw, 0, D // GROUP, True, HAS_NORM, BITS, GROUP, BG)
-    rstd = tl.full((1,), 1.0, tl.float32)
-    if HAS_NORM:
-        b_xf = b_x.to(tl.float32)
-        rstd = rstd / tl.sqrt_rn(tl.sum(tl.sum(b_xf * b_xf, axis=1), axis=0) / D + eps)
-    b_xn = norm_x(b_x, b_nw, tl.sum(rstd, axis=0), HAS_NORM, ON_CPU)
-    # (+ 0 as gemv_block's accumulator adds it: -0.0 comes out as +0.0 alike)
-    return tl.zeros((1, b_w.shape[0]), tl.float32) + gemv_tile(b_w, b_s, b_b, b_xn, mask_lo,
-                                                               BITS, BG)[None, :]  # fmt: skip
-
-
 @launched
 @triton.jit
 def _moe_router_kernel(
@@ -115,58 +97,50 @@ def _moe_router_kernel(
     p_rw, p_rs, p_rb, stride_rqn, stride_rsn,
     p_cw, p_cs, p_cb,
     p_sgw, p_sgs, p_sgb, p_suw, p_sus, p_sub, stride_sqn, stride_ssn,
-    B, E, D, I_S, stride_h, mask_lo_r, mask_lo_c, mask_lo, eps,
+    E, D, I_S, stride_h, mask_lo_r, mask_lo_c, mask_lo, eps,
     TOP_K: tl.constexpr, R_PROGS: tl.constexpr, R_BN: tl.constexpr, R_BITS: tl.constexpr,
     R_GROUP: tl.constexpr, R_BG: tl.constexpr, C_BITS: tl.constexpr, C_GROUP: tl.constexpr,
     C_BG: tl.constexpr, S_BN: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-    S_BG: tl.constexpr, HAS_NORM: tl.constexpr, HAS_SHARED: tl.constexpr,
-    ROUTED: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, NG: tl.constexpr,
-    G: tl.constexpr, BR: tl.constexpr, ON_CPU: tl.constexpr, PDL: tl.constexpr,
+    S_BG: tl.constexpr, HAS_NORM: tl.constexpr, NORM_BLOCK: tl.constexpr,
+    NORM_STEPS: tl.constexpr, HAS_SHARED: tl.constexpr, ROUTED: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr, NG: tl.constexpr, G: tl.constexpr, ON_CPU: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
-    # Weights first; with PDL, x (the previous kernel's output) only after pdl_wait. A
-    # program takes BR rows of the batch (grid axis 1: rows BR * program_id(1) on), its
-    # weights loaded once for all of them (MoeDecodeConfig.router_batch_rows).
+    # Weights first; with PDL, x (the previous kernel's output) only after pdl_wait.
     pid = tl.program_id(0)
-    r0 = tl.program_id(1) * BR
+    r = tl.program_id(1)
+    p_x, p_logits, p_h = row_ptrs(p_x, p_logits, p_h, stride_xt, stride_lt, stride_hb)
     # NOTE: each branch names its own tensors: the compiler (unlike the interpreter) wants a
     # variable assigned in two run-time branches to have one type.
     if pid < R_PROGS:
         # Router rows -> logits[0:E] (fp32).
         o_r = pid * R_BN + tl.arange(0, R_BN)
-        b_rw, b_rs, b_rb = load_words(p_rw, p_rs, p_rb, stride_rqn, stride_rsn, o_r, o_r < E,
-                                      0, D // R_GROUP, R_BITS, R_GROUP, R_BG)  # fmt: skip
-        pdl_wait(PDL)
-        for t in tl.static_range(BR):
-            r = r0 + t
-            if r < B:
-                b_r = _row_gemv(p_x + r * stride_xt, p_nw, eps, D, b_rw, b_rs, b_rb, mask_lo_r,
-                                R_BITS, R_GROUP, R_BG, HAS_NORM, ON_CPU)  # fmt: skip
-                p_l = p_logits + r * stride_lt
-                tl.store(p_l + o_r[None, :], b_r, mask=(o_r < E)[None, :])
-                if ROUTED:
-                    route_once(p_x + r * stride_xt, p_nw, eps, p_l, p_ids + r * TOP_K,
-                               p_wts + r * TOP_K, p_op + r * (G * GROUP), p_sum + r * G,
-                               p_ticket + r, E, R_PROGS, TOP_K, BLOCK_K, BLOCK_E, GROUP, NG,
-                               G, HAS_NORM, not HAS_SHARED, ON_CPU)  # fmt: skip
+        b_r = gemv_block(
+            p_x, 0, 1, D, p_nw, eps, p_rw, p_rs, p_rb, stride_rqn, stride_rsn, o_r, o_r < E,
+            0, D // R_GROUP, mask_lo_r, R_BITS, R_GROUP, R_BG, 1, 1, HAS_NORM, True, NORM_BLOCK,
+            NORM_STEPS, ON_CPU, PDL,
+        )  # fmt: skip
+        tl.store(p_logits + o_r[None, :], b_r, mask=(o_r < E)[None, :])
+        if ROUTED:
+            p_ids, p_wts = row_pairs(p_ids, p_wts, TOP_K)
+            route_once(p_x, p_nw, eps, p_logits, p_ids, p_wts, p_op + r * (G * GROUP),
+                       p_sum + r * G, p_ticket + r, E, R_PROGS, TOP_K, BLOCK_K, BLOCK_E, GROUP,
+                       NG, G, HAS_NORM, not HAS_SHARED, ON_CPU)  # fmt: skip
     elif pid == R_PROGS:
         # The shared expert's gate (one row) -> logits[E].
         o_c = tl.arange(0, 2)
-        b_cw, b_cs, b_cb = load_words(p_cw, p_cs, p_cb, 0, 0, o_c, o_c < 1, 0, D // C_GROUP,
-                                      C_BITS, C_GROUP, C_BG)  # fmt: skip
-        pdl_wait(PDL)
-        for t in tl.static_range(BR):
-            r = r0 + t
-            if r < B:
-                b_c = _row_gemv(p_x + r * stride_xt, p_nw, eps, D, b_cw, b_cs, b_cb, mask_lo_c,
-                                C_BITS, C_GROUP, C_BG, HAS_NORM, ON_CPU)  # fmt: skip
-                tl.store(p_logits + r * stride_lt + E + o_c[None, :], b_c,
-                         mask=(o_c < 1)[None, :])  # fmt: skip
-                if ROUTED:
-                    # route_once's x', here beside the ticket rather than on its tail
-                    # (measured on the H100: the router launch took 9.2 -> 12 us with both
-                    # on the tail, 8 rows)
-                    prep_row(p_x + r * stride_xt, p_nw, eps, p_op + r * (G * GROUP),
-                             p_sum + r * G, GROUP, NG, G, HAS_NORM, ON_CPU)  # fmt: skip
+        b_c = gemv_block(
+            p_x, 0, 1, D, p_nw, eps, p_cw, p_cs, p_cb, 0, 0, o_c, o_c < 1, 0, D // C_GROUP,
+            mask_lo_c, C_BITS, C_GROUP, C_BG, 1, 1, HAS_NORM, True, NORM_BLOCK, NORM_STEPS,
+            ON_CPU, PDL,
+        )  # fmt: skip
+        tl.store(p_logits + E + o_c[None, :], b_c, mask=(o_c < 1)[None, :])
+        if ROUTED:
+            # route_once's x', here beside the ticket rather than on its tail (measured on
+            # the H100: the router launch took 9.2 -> 12 us with both on the tail, 8 rows)
+            prep_row(p_x, p_nw, eps, p_op + r * (G * GROUP), p_sum + r * G, GROUP, NG, G,
+                     HAS_NORM, ON_CPU)  # fmt: skip
     else:
         # Shared expert gate/up rows -> h[TOP_K].
         o_s = (pid - R_PROGS - 1) * S_BN + tl.arange(0, S_BN)
@@ -176,14 +150,10 @@ def _moe_router_kernel(
             GROUP, S_BG,
         )  # fmt: skip
         pdl_wait(PDL)
-        for t in tl.static_range(BR):
-            r = r0 + t
-            if r < B:
-                b_xs, b_nws = load_x(p_x + r * stride_xt, p_nw, 0, D // GROUP, True, HAS_NORM,
-                                     BITS, GROUP, S_BG)  # fmt: skip
-                b_h = _gate_up(b_gw, b_gs, b_gb, b_uw, b_us, b_ub, b_xs, b_nws, eps, D, mask_lo,
-                               BITS, S_BG, HAS_NORM, ON_CPU)  # fmt: skip
-                tl.store(p_h + r * stride_hb + TOP_K * stride_h + o_s, b_h, mask=m_s)
+        b_xs, b_nws = load_x(p_x, p_nw, 0, D // GROUP, True, HAS_NORM, BITS, GROUP, S_BG)
+        b_h = _gate_up(b_gw, b_gs, b_gb, b_uw, b_us, b_ub, b_xs, b_nws, eps, D, mask_lo, BITS,
+                       S_BG, HAS_NORM, ON_CPU)  # fmt: skip
+        tl.store(p_h + TOP_K * stride_h + o_s, b_h, mask=m_s)
 
 
 @launched
@@ -370,6 +340,7 @@ def moe_decode(
     has_shared = i_s > 0
     has_norm = norm_weight is not None
     nw = norm_weight if has_norm else x
+    norm_block, norm_steps = norm_meta(d)
     gs = gate.group_size
     block_k = pow2(top_k)
     pdl = use_pdl(pdl, dev)
@@ -404,22 +375,23 @@ def moe_decode(
     seg = shared_expert_gate if has_shared else router
     sg, su, sd = (shared_gate, shared_up, shared_down) if has_shared else (gate[0], up[0], down[0])
     s_progs = 1 + cdiv(i_s, cfg.shared_rows) if has_shared else 0
-    br = min(cfg.router_batch_rows, b)
-    _moe_router_kernel[(r_progs + s_progs, cdiv(b, br))](
+    _moe_router_kernel[(r_progs + s_progs, b)](
         x, nw, logits, h, *rows, ids, wts, op, sums, tickets,
         router.qweight, router.scales, router.biases, router.qweight.stride(0),
         router.scales.stride(0),
         seg.qweight, seg.scales, seg.biases,
         sg.qweight, sg.scales, sg.biases, su.qweight, su.scales, su.biases,
         sg.qweight.stride(0), sg.scales.stride(0),
-        b, e, d, i_s, h.stride(1), mask_lo(router.bits), mask_lo(seg.bits), mask_lo(gate.bits),
+        e, d, i_s, h.stride(1), mask_lo(router.bits), mask_lo(seg.bits), mask_lo(gate.bits),
         float(eps),
         TOP_K=top_k, R_PROGS=r_progs, R_BN=cfg.router_rows, R_BITS=router.bits,
         R_GROUP=router.group_size, R_BG=_whole(d, router.group_size), C_BITS=seg.bits,
         C_GROUP=seg.group_size, C_BG=_whole(d, seg.group_size), S_BN=cfg.shared_rows,
         BITS=gate.bits, GROUP=gs, S_BG=_whole(d, gs), HAS_NORM=has_norm,
-        HAS_SHARED=has_shared, ROUTED=routed, BLOCK_K=block_k, BLOCK_E=pow2(e), NG=ng, G=g,
-        BR=br, ON_CPU=on_cpu, PDL=pdl, num_warps=cfg.num_warps, **pdl_launch(pdl),
+        NORM_BLOCK=norm_block, NORM_STEPS=norm_steps, HAS_SHARED=has_shared, ROUTED=routed,
+        BLOCK_K=block_k,
+        BLOCK_E=pow2(e), NG=ng, G=g, ON_CPU=on_cpu, PDL=pdl, num_warps=cfg.num_warps,
+        **pdl_launch(pdl),
     )  # fmt: skip
 
     # 2. routed gate/up, the top-k in every program (program 0 writes the (expert, weight)

@@ -12,8 +12,6 @@ class MoeDecodeConfig:
     """Rows per program of each launch and warps per program (whole K per program).
 
     router_rows: router rows (E / router_rows programs, plus one for the shared gate);
-    router_batch_rows: rows of a batch one router-launch program takes (its weights loaded
-    once for all of them; 1: a program a row, the one-row grid once a row);
     shared_rows: shared-expert gate/up rows (I_s / shared_rows programs, same launch);
     gate_up_rows: routed gate/up rows (k * I / gate_up_rows programs);
     down_rows: output rows of the down launch (D / down_rows programs);
@@ -37,7 +35,6 @@ class MoeDecodeConfig:
     """
 
     router_rows: int = 4
-    router_batch_rows: int = 1
     shared_rows: int = 8
     gate_up_rows: int = 8
     down_rows: int = 8
@@ -58,9 +55,6 @@ class MoeDecodeConfig:
             v = getattr(self, name)
             if v is not None and (v < 1 or v & (v - 1)):
                 raise ValueError(f"MoeDecodeConfig.{name} must be a power of two, got {v}")
-        if self.router_batch_rows < 1:
-            raise ValueError(f"MoeDecodeConfig.router_batch_rows must be >= 1, got "
-                             f"{self.router_batch_rows}")  # fmt: skip
         if self.router_rows < 2:
             raise ValueError("MoeDecodeConfig.router_rows must be >= 2")
         for name, v in (("mma_rows", self.mma_rows), ("mma_down_rows", self.mma_down_rows)):

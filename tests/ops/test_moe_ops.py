@@ -391,44 +391,6 @@ def test_down_early_equals_down_operand_over_layers(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_router_batch_rows_over_layers(device):
-    """router_batch_rows (a router-launch program takes several rows of the batch, its
-    weights loaded once) on the route entry, against a program a row, over layers in a row
-    (``_same_over_layers``, 3 rows): bit for bit the same (each row's logits, top-k, x' and
-    shared h by the same arithmetic; a row skipped, done twice or given another row's x is
-    an O(1) error). 2 rows a program: the second program's second row is past the batch."""
-    base = _route_entry(device)
-    two = dataclasses.replace(base, router_batch_rows=2)
-    assert _same_over_layers(device, 3, 97, two, base)["_moe_router_kernel"]["BR"] == 2
-    with pytest.raises(ValueError, match="router_batch_rows must be >= 1"):
-        MoeDecodeConfig(router_batch_rows=0)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("cfg", [FMA, MoeDecodeConfig(mma_rows=32)], ids=["fma", "mma"])
-def test_router_batch_rows_without_routing_once(poison, device, cfg):
-    """The same where the gate/up programs route (no route_once) and on the FMA experts:
-    3 rows, all in one router program (4 asked for: as many as there are) or 2 a program,
-    bit for bit a program a row, and against the reference."""
-    w = make_moe(7, 4, 64, True, seed=35, device=device)
-    g = torch.Generator().manual_seed(6)
-    x = (2.0 * torch.randn(3, D, generator=g) + 0.3).to(device, torch.bfloat16)
-    res = torch.randn(3, D, generator=g).to(device, torch.bfloat16)
-    nw = (1.0 + 0.2 * torch.randn(D, generator=g)).to(device, torch.bfloat16)
-
-    def call(c):
-        return moe_decode(x, *w.values(), 3, res, norm_weight=nw, eps=1e-5, config=c)
-
-    want = call(cfg)
-    for n, br in ((4, 3), (2, 2)):
-        c = dataclasses.replace(cfg, router_batch_rows=n)
-        assert _launched(lambda c=c: call(c))["_moe_router_kernel"]["BR"] == br
-        assert torch.equal(call(c), want), n
-    for r in range(3):
-        assert moe_err(want[r], w, rms_norm(x[r], nw, 1e-5), 3, res[r]) < 2e-2
-
-
-@pytest.mark.parametrize("device", DEVICES)
 def test_moe_decode_replays_on_new_tokens(device):
     """Two tokens through one captured call (a CUDA graph on the GPU, as the decode step
     runs, with programmatic dependent launch; two eager calls on the CPU, where ``pdl`` is a

@@ -13,9 +13,7 @@ qgemv/qgemm), ``rows_moe`` (the MoE on moe_decode_rows), ``rows_prep`` /
 program routing its row: lily/model/ops.py MOE_ROWS_EVERY), and on the entries that route
 once: ``no_down_early`` (the down launch's experts' tiles loaded after its PDL wait),
 ``down_n32w8`` / ``down_n16w8`` (the down launch's tile), ``shared16`` / ``shared4`` (the
-shared expert's rows a router-launch program), ``router16`` (router rows a program),
-``router_b2`` / ``router_b4`` / ``router_b8`` (rows of the batch a router-launch program
-takes, its weights loaded once: MoeDecodeConfig.router_batch_rows).
+shared expert's rows a router-launch program), ``router16`` (router rows a program).
 
     python3 -m lily.bench.gpu.diagnostics.rows_timeline --rows 2,4,8 --out $OUT/rows.json
 """
@@ -58,9 +56,6 @@ SWITCHES = {
     "shared16": {"MOE_ROWS_CONFIGS": _routed(shared_rows=16)},
     "shared4": {"MOE_ROWS_CONFIGS": _routed(shared_rows=4)},
     "router16": {"MOE_ROWS_CONFIGS": _routed(router_rows=16)},
-    "router_b2": {"MOE_ROWS_CONFIGS": _routed(router_batch_rows=2)},
-    "router_b4": {"MOE_ROWS_CONFIGS": _routed(router_batch_rows=4)},
-    "router_b8": {"MOE_ROWS_CONFIGS": _routed(router_batch_rows=8)},
 }  # fmt: skip
 
 

@@ -143,7 +143,6 @@ def cfg_str(cfg) -> str:
                 rows, warps = cfg.mma_down_rows or cfg.mma_rows, cfg.mma_down_warps or cfg.mma_warps
                 out += f" dn n{rows} w{warps}"
             out += f" rw{cfg.num_warps}" if cfg.num_warps != 4 else ""
-            out += f" rb{cfg.router_batch_rows}" if cfg.router_batch_rows != 1 else ""
             out += (" once" if cfg.route_once else "") + (" hop" if cfg.down_operand else "")
             return out + (" early" if cfg.down_early else "")
         return (f"r{cfg.router_rows} s{cfg.shared_rows} gu{cfg.gate_up_rows} "

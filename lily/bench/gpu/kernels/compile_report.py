@@ -140,8 +140,7 @@ def compile_report(only: set[str], sweeps: Sweeps, sass_dir: str | None = None) 
                     once = dataclasses.replace(table, route_once=True)
                     hop = dataclasses.replace(once, down_operand=True)
                     early = dataclasses.replace(hop, down_early=not hop.down_early)
-                    batch = dataclasses.replace(table, router_batch_rows=b)
-                    for cfg in dict.fromkeys((table, once, hop, early, batch)):
+                    for cfg in dict.fromkeys((table, once, hop, early)):
                         launches.append(f"moe_decode B={b} +norm pdl {cfg_str(cfg)}")
                         moe_decode(xb, *args, TOP_K, xb, norm_weight=nw, config=cfg, pdl=True)
         if "moe_prefill" in only:
