@@ -271,6 +271,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8, help="layers in the chain")
     ap.add_argument("--out", help="JSON results path")
     args = ap.parse_args()
+    traced = sorted(k for k, c in MOE_ROWS_CONFIGS.items() if c.down_early)
+    for b in [int(v) for v in args.rows.split(",")]:
+        if b not in traced:
+            raise SystemExit(
+                f"--rows {b}: the traced launches are the route_once, down_operand"
+                f" and down_early form; MOE_ROWS_CONFIGS has it at {traced}"
+            )
     gen = torch.Generator(device="cuda").manual_seed(0)
     cpu_gen = torch.Generator().manual_seed(0)
     ws = [{**moe_weights(gen), "top_k": TOP_K} for _ in range(args.layers)]
