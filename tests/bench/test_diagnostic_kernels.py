@@ -5,6 +5,7 @@ moe_trace.py's stamped MoE launches."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lily.bench.gpu.diagnostics import gemv_trace as trace
@@ -126,3 +127,13 @@ def test_moe_trace_analysis_on_known_stamps():
     assert got["program"] == 6.0 and got["entry_to_wait"] == 0.5 and got["past_wait"] == 5.0
     assert got["loading"] == 1.0 and got["multiplying"] == 1.0
     assert "loading" not in moe_trace.analyse([prev], [cur], fine=False)
+
+
+def test_moe_trace_names_the_batch_sizes_it_traces(monkeypatch):
+    from lily.model.ops import MOE_ROWS_CONFIGS
+
+    two = MOE_ROWS_CONFIGS[2]
+    assert not two.down_early  # the 2-row entry is another form
+    monkeypatch.setattr("sys.argv", ["moe_trace", "--rows", "8,2"])
+    with pytest.raises(SystemExit, match=r"--rows 2: .* has it at \[4, 8\]"):
+        moe_trace.main()
