@@ -42,7 +42,7 @@ SHAPES = [  # name, N, K, with the norm prologue, with a residual
 
 
 @triton.jit
-def _stamp(dep, ON_CPU: tl.constexpr):
+def stamp(dep, ON_CPU: tl.constexpr):
     # %globaltimer (ns); ``dep`` only orders the read after the value it names (0 on the CPU).
     if ON_CPU:
         return dep.to(tl.int64) * 0
@@ -51,7 +51,7 @@ def _stamp(dep, ON_CPU: tl.constexpr):
 
 
 @triton.jit
-def _smid(dep, ON_CPU: tl.constexpr):
+def smid(dep, ON_CPU: tl.constexpr):
     if ON_CPU:
         return dep.to(tl.int32) * 0
     return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [dep], dtype=tl.int32,
@@ -74,31 +74,31 @@ def _traced_gemv_kernel(
     # does not queue behind the weights'.
     i_n = tl.program_id(0)
     p_row = p_t + i_n * 8  # the stamps, then the SM
-    tl.store(p_row, _stamp(i_n, ON_CPU))
+    tl.store(p_row, stamp(i_n, ON_CPU))
     if X_FIRST:
         b_xn = mma_x_row(p_x, p_nw, eps, NG, G, GROUP, HAS_NORM, EVEN_K, ON_CPU)
     b_w, b_s, b_b = mma_tile(p_qw, p_s, p_b, p_qw, i_n * BLOCK_N, N, stride_qn, stride_sn, 0, 0,
                              GROUP, NG, G, BLOCK_N, W, 0, EVEN_N, EVEN_K)  # fmt: skip
-    tl.store(p_row + 1, _stamp(i_n, ON_CPU))
+    tl.store(p_row + 1, stamp(i_n, ON_CPU))
     pdl_wait(PDL)
-    tl.store(p_row + 2, _stamp(i_n, ON_CPU))
+    tl.store(p_row + 2, stamp(i_n, ON_CPU))
     if not X_FIRST:
         b_xn = mma_x_row(p_x, p_nw, eps, NG, G, GROUP, HAS_NORM, EVEN_K, ON_CPU)
     if FINE:
-        tl.store(p_row + 3, _stamp(tl.sum(b_xn, axis=0).to(tl.int32, bitcast=True), ON_CPU))
+        tl.store(p_row + 3, stamp(tl.sum(b_xn, axis=0).to(tl.int32, bitcast=True), ON_CPU))
     b_xb, b_xs = mma_x(b_xn, G, GROUP, W, TERMS, ON_CPU)
     if FINE:
-        tl.store(p_row + 4, _stamp(tl.sum(b_xs, axis=0).to(tl.int32, bitcast=True), ON_CPU))
+        tl.store(p_row + 4, stamp(tl.sum(b_xs, axis=0).to(tl.int32, bitcast=True), ON_CPU))
     acc = mma_dot(b_w, b_s, b_b, b_xb, b_xs, pair_mask, G, BLOCK_N, W, TERMS, ON_CPU)
     if FINE:
-        tl.store(p_row + 5, _stamp(tl.sum(acc, axis=0).to(tl.int32, bitcast=True), ON_CPU))
+        tl.store(p_row + 5, stamp(tl.sum(acc, axis=0).to(tl.int32, bitcast=True), ON_CPU))
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     if HAS_RES:
         acc += tl.load(p_res + o_n, mask=m_n, other=0.0).to(tl.float32)
     tl.store(p_out + o_n, cast_to(acc, p_out.dtype.element_ty, ON_CPU), mask=m_n)
-    tl.store(p_row + 6, _stamp(tl.sum(acc, axis=0).to(tl.int32, bitcast=True), ON_CPU))
-    tl.store(p_row + 7, _smid(i_n, ON_CPU).to(tl.int64))
+    tl.store(p_row + 6, stamp(tl.sum(acc, axis=0).to(tl.int32, bitcast=True), ON_CPU))
+    tl.store(p_row + 7, smid(i_n, ON_CPU).to(tl.int64))
 
 
 def traced_gemv(x, w, trace, *, norm_weight=None, residual=None, eps=1e-6, pdl=False,

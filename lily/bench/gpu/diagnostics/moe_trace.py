@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lily.bench.gpu.diagnostics.gemv_trace import _smid, _stamp
+from lily.bench.gpu.diagnostics.gemv_trace import smid, stamp
 from lily.bench.measure import capture_graph, replay_ms
 from lily.ops.launch import cdiv, mask_lo, pdl_launch, pow2
 from lily.ops.mma_rows import row_operand, row_prepped
@@ -68,11 +68,11 @@ def _traced_gate_up_kernel(
     pid = tl.program_id(0)
     r = tl.program_id(1)
     p_row = p_t + (r * tl.num_programs(0) + pid) * (STAMPS + 1)
-    tl.store(p_row, _stamp(pid, ON_CPU))
+    tl.store(p_row, stamp(pid, ON_CPU))
     slot = pid // N_BLOCKS
     row0 = (pid % N_BLOCKS) * BLOCK_N
     pdl_wait(PDL)
-    tl.store(p_row + 1, _stamp(pid, ON_CPU))
+    tl.store(p_row + 1, stamp(pid, ON_CPU))
     e64 = tl.load(p_ids + r * TOP_K + slot).to(tl.int64)
     b_xb, b_xs = row_prepped(p_op + r * (G * GROUP), p_sum + r * G, G, GROUP, W, ON_CPU)
     g_w, g_s, g_b, u_w, u_s, u_b = gate_up_tiles(
@@ -80,17 +80,17 @@ def _traced_gate_up_kernel(
         stride_qn, stride_sn, GROUP, NG, G, BLOCK_N, W, EVEN_N, EVEN_K,
     )  # fmt: skip
     if FINE:
-        tl.store(p_row + 2, _stamp(_landed(g_w) + _landed(u_w), ON_CPU))
+        tl.store(p_row + 2, stamp(_landed(g_w) + _landed(u_w), ON_CPU))
     b_g = mma_dot(g_w, g_s, g_b, b_xb, b_xs, pair_mask, G, BLOCK_N, W, 1, ON_CPU)
     b_u = mma_dot(u_w, u_s, u_b, b_xb, b_xs, pair_mask, G, BLOCK_N, W, 1, ON_CPU)
     if FINE:
-        tl.store(p_row + 3, _stamp(_done(b_g) + _done(b_u), ON_CPU))
+        tl.store(p_row + 3, stamp(_done(b_g) + _done(b_u), ON_CPU))
     o_n = row0 + tl.arange(0, BLOCK_N)
     b_h = b_g * sigmoid(b_g) * b_u
     store_h_op(p_hop, b_h, tl.load(p_wts + r * TOP_K + slot), r, slot, o_n, I_E, HG, GROUP,
                ON_CPU)  # fmt: skip
-    tl.store(p_row + 4, _stamp(_done(b_h), ON_CPU))
-    tl.store(p_row + 5, _smid(pid, ON_CPU).to(tl.int64))
+    tl.store(p_row + 4, stamp(_done(b_h), ON_CPU))
+    tl.store(p_row + 5, smid(pid, ON_CPU).to(tl.int64))
 
 
 @triton.jit
@@ -108,7 +108,7 @@ def _traced_down_kernel(
     i_n = tl.program_id(0)
     r = tl.program_id(1)
     p_row = p_t + (r * tl.num_programs(0) + i_n) * (STAMPS + 1)
-    tl.store(p_row, _stamp(i_n, ON_CPU))
+    tl.store(p_row, stamp(i_n, ON_CPU))
     p_res += r * stride_xt
     p_out += r * stride_xt
     p_logits += r * stride_lt
@@ -124,17 +124,17 @@ def _traced_down_kernel(
                              stride_we, stride_se, GROUP, NG, G, BLOCK_N, W, SG, EVEN_N,
                              NG == G)  # fmt: skip
     pdl_wait(PDL)
-    tl.store(p_row + 1, _stamp(i_n, ON_CPU))
+    tl.store(p_row + 1, stamp(i_n, ON_CPU))
     if FINE:
-        tl.store(p_row + 2, _stamp(_landed(b_w), ON_CPU))
+        tl.store(p_row + 2, stamp(_landed(b_w), ON_CPU))
     b_xb, b_xs = row_operand(p_hop + r * (G * GROUP), G, GROUP, NG, W, ON_CPU)
     acc = mma_dot(b_w, b_s, b_b, b_xb, b_xs, pair_mask, G, BLOCK_N, W, 1, ON_CPU)
     if FINE:
-        tl.store(p_row + 3, _stamp(_done(acc), ON_CPU))
+        tl.store(p_row + 3, stamp(_done(acc), ON_CPU))
     down_finish(acc, b_sw, b_ss, b_sb, b_hs, b_c, b_res, p_out, o_n, m_n, mask_lo, BITS, S_BG,
                 True, True, ON_CPU)  # fmt: skip
-    tl.store(p_row + 4, _stamp(_done(acc), ON_CPU))
-    tl.store(p_row + 5, _smid(i_n, ON_CPU).to(tl.int64))
+    tl.store(p_row + 4, stamp(_done(acc), ON_CPU))
+    tl.store(p_row + 5, smid(i_n, ON_CPU).to(tl.int64))
 
 
 def grids(w: dict, b: int, cfg: MoeDecodeConfig) -> tuple[tuple[int, int], tuple[int, int]]:
