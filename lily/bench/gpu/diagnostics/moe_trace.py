@@ -4,12 +4,12 @@ The routed gate/up and the down launch of the batched decode step's MoE (route_o
 down_operand and down_early: the 4- and 8-row entries of MOE_ROWS_CONFIGS), their kernel
 bodies made of the same jit helpers as lily/ops/moe_decode_mma.py's, with ``%globaltimer``
 read at five points of every program (diagnostics/gemv_trace.py's method): entry, past the
-PDL wait, its weight tiles landed and its MMAs done (``--fine`` only: each after a
-block-wide sum of what it waits for, whose barrier costs time of its own), and after its
+PDL wait, its weight tiles landed and its MMAs done (in the fine pass only: each after a
+block-wide reduction of what it waits for, whose barrier costs time of its own), and after its
 store; plus the SM it ran on. A CUDA graph of ``--layers`` layers (each its own full-size
 random experts and random routing, gate/up then down under PDL, the router launch left
 out: its outputs are given) is replayed; for each launch kind this reports, as medians over
-the layers: the launch's span and its period against the launch before, a program's time
+the layers: the launch's span and its exposed time after the launch before, a program's time
 from entry, past its wait, loading and multiplying, how many programs an SM ran at once,
 and how many SMs ran any. What it is for: whether a program's time at 8 rows is its loads,
 its arithmetic or its wait, and whether the SM's programs overlap their loads
