@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -157,12 +157,6 @@ MOE_ROWS_EVERY: dict[int, MoeDecodeConfig] = {} if not HAS_KERNELS else {
     8: MoeDecodeConfig(router_rows=8, mma_rows=32, mma_warps=4, mma_down_rows=16,
                        mma_down_warps=4),
 }  # fmt: skip
-
-
-def routed_entries(table: dict, **fields) -> dict:
-    """``table`` (MOE_ROWS_CONFIGS' form) with ``fields`` changed on the entries that route
-    once and write the down launch's operand, where the forms built on them apply."""
-    return {b: replace(c, **fields) if c.down_operand else c for b, c in table.items()}
 
 
 def at_rows(table: dict, b: int, default=None):

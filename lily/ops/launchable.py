@@ -166,17 +166,15 @@ def _rows(cfg: ModelConfig, dtype: torch.dtype, runner, arch: Arch, note) -> Non
         with record_launches() as rec:
             runner.decode_rows([0, 0], states(2, n))
         note(f"decode rows B=2 context {n}", rec)
-    for b in range(3, MAX_ROWS + 1):
-        with record_launches() as rec:
-            runner.decode_rows([0] * b, states(b, lengths[-1]))
-        note(f"decode rows B={b} context {lengths[-1]}", rec)
 
-    def passed(bs, label: str) -> None:
+    def passed(bs, label: str = "") -> None:
         for b in bs:
             with record_launches() as rec:
                 runner.decode_rows([0] * b, states(b, lengths[-1]))
-            note(f"decode rows B={b} context {lengths[-1]}, {label}", rec)
+            note(f"decode rows B={b} context {lengths[-1]}" + (f", {label}" if label else ""),
+                 rec)  # fmt: skip
 
+    passed(range(3, MAX_ROWS + 1))
     # The batched kernels behind the engine's switches (lily/model/ops.py: ROWS_MOE, the
     # MoE's; ROWS_MMA, the projections' and the head's; ROWS_PREP, their normed rows
     # prepared; lily/ops/qgemv_mma_rows.py OPERAND_POW2, the others' operand on pow2(B),

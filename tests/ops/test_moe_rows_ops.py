@@ -257,16 +257,11 @@ def test_the_batched_step_takes_the_rows_kernel():
     from lily.ops.arch import DEFAULT
     from lily.ops.launchable import Variant, launches
 
-    def kind(where: str) -> str:  # the matrix's pass: the default step, or a switched one
-        tail = where.split(", ")[-1] if ", " in where else ""
-        return "ROWS_MOE" if tail.endswith("ROWS_MOE") else tail
-
     def in_rows(found, module: str, rows_moe: bool) -> dict[str, set[int]]:
-        tag = "ROWS_MOE" if rows_moe else ""
         out: dict[str, set[int]] = {}
         for launch, where in found.items():
             bs = {int(w.split("B=")[1].split()[0]) for w in where
-                  if "decode rows" in w and kind(w) == tag}  # fmt: skip
+                  if "decode rows" in w and w.endswith("ROWS_MOE") == rows_moe}  # fmt: skip
             if launch.module == f"lily.ops.{module}" and bs:
                 out.setdefault(launch.name, set()).update(bs)
         return out

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import time
 
 import torch
@@ -34,9 +35,11 @@ from lily.bench.measure import pseudo_text_ids, replay_ms
 
 
 def _routed(**fields) -> dict:
-    """MOE_ROWS_CONFIGS with ``fields`` (MoeDecodeConfig's) on its route entries (4 and 8
-    rows)."""
-    return ops_mod.routed_entries(ops_mod.MOE_ROWS_CONFIGS, **fields)
+    """MOE_ROWS_CONFIGS with ``fields`` (MoeDecodeConfig's) changed on the entries that
+    route once and write the down launch's operand (4 and 8 rows)."""
+    table = ops_mod.MOE_ROWS_CONFIGS
+    return {b: dataclasses.replace(c, **fields) if c.down_operand else c
+            for b, c in table.items()}  # fmt: skip
 
 
 SWITCHES = {
