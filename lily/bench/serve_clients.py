@@ -45,8 +45,15 @@ class Stream:
 
     def max_gap(self, t0: float, t1: float) -> float:
         """Longest wait between chunks within [t0, t1] (the edges count as chunks)."""
+        a, b = self.longest_gap(t0, t1)
+        return b - a
+
+    def longest_gap(self, t0: float, t1: float) -> tuple[float, float]:
+        """Where ``max_gap``'s wait is: its start and end (t0, t0 when t1 <= t0)."""
+        if t1 <= t0:
+            return t0, t0
         ts = [t0] + [t for t in self.chunks if t0 < t < t1] + [t1]
-        return max(b - a for a, b in zip(ts, ts[1:], strict=False)) if t1 > t0 else 0.0
+        return max(zip(ts, ts[1:], strict=False), key=lambda g: g[1] - g[0])
 
 
 # NOTE: the clients' times are compared with each other and with the benchmark's own:

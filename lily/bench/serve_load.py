@@ -28,8 +28,8 @@ from typing import Any
 
 from lily.bench.serve_clients import MODEL, Load, Stream
 
-__all__ = ["MODEL", "Load", "Server", "Stream", "bars", "busy_ttft", "markdown", "plot", "rounds",
-           "series"]  # fmt: skip
+__all__ = ["MODEL", "Load", "Server", "Stream", "bars", "busy_ttft", "gap_trace", "markdown",
+           "plot", "rounds", "series"]  # fmt: skip
 
 
 class Server:
@@ -111,14 +111,24 @@ def rounds(load: Load, concurrency: list[int], prompt: int, max_tokens: int) -> 
     return out
 
 
-def busy_ttft(load: Load, prompt: int, busy: int, busy_tokens: int, repeats: int) -> dict:
-    """A new prompt's time to first token, idle and while ``busy`` streams decode."""
+def busy_ttft(load: Load, prompt: int, busy: int, busy_tokens: int, repeats: int,
+              engine: Any = None) -> dict:  # fmt: skip
+    """A new prompt's time to first token, idle and while ``busy`` streams decode. With the
+    server's ``engine``, what it did while the new prompt waited for its first token
+    (``gap_trace``: lily/bench/step_trace.py)."""
+    from lily.bench.step_trace import StepTrace
+
     idle = [load.run(load.prompt(prompt), 1).ttft for _ in range(repeats)]
     batch = load.together([load.prompt(prompt) for _ in range(busy)], busy_tokens,
                           stoppable=True)  # fmt: skip
     batch.started(load.timeout)
     time.sleep(0.2)  # all of them decoding for a moment
-    new = load.run(load.prompt(prompt), 1)
+    trace = StepTrace(engine) if engine is not None else None
+    try:
+        new = load.run(load.prompt(prompt), 1)
+    finally:
+        if trace is not None:
+            trace.close()
     t_first = new.chunks[0] if new.chunks else time.perf_counter()  # (the clients' clock)
     time.sleep(0.2)
     batch.stop()
@@ -136,7 +146,17 @@ def busy_ttft(load: Load, prompt: int, busy: int, busy_tokens: int, repeats: int
         "max_gap_during_prefill_s": max(s.max_gap(new.sent, t_first) for s in streams),
         "busy_rate_during_prefill_tok_s": sum(s.rate_in(new.sent, t_first) for s in streams),
         "errors": errors,
-    }
+    } | ({"gap_trace": gap_trace(trace, streams, new.sent, t_first)} if trace else {})
+
+
+def gap_trace(trace, streams: list[Stream], sent: float, first: float) -> dict:
+    """The running streams' longest gap between ``sent`` and ``first`` (milliseconds from
+    ``sent``) and the engine's recorded work over that whole span."""
+    a, b = max((s.longest_gap(sent, first) for s in streams), key=lambda g: g[1] - g[0],
+               default=(sent, sent))  # fmt: skip
+    return {"gap_start_ms": round(1000 * (a - sent), 3), "gap_ms": round(1000 * (b - a), 3),
+            "first_token_ms": round(1000 * (first - sent), 3),
+            "events": trace.during(sent, first, origin=sent)}  # fmt: skip
 
 
 def markdown(result: dict, bars: dict) -> str:
@@ -160,6 +180,18 @@ def markdown(result: dict, bars: dict) -> str:
                   f"{b['busy_streams']} streams decode ({_f(b['ratio'], 2)}x); their longest "
                   f"gap meanwhile {_f(b['max_gap_during_prefill_s'], 0, 1000)} ms, "
                   f"{_f(b['busy_rate_during_prefill_tok_s'], 1)} tok/s in total."]  # fmt: skip
+        g = b.get("gap_trace")
+        if g:
+            lo, hi = g["gap_start_ms"], g["gap_start_ms"] + g["gap_ms"]
+            inside = [e for e in g["events"]
+                      if e["start_ms"] <= hi and e["start_ms"] + e["ms"] >= lo]  # fmt: skip
+            lines += ["", f"The longest gap: {g['gap_ms']:.1f} ms from {lo:.1f} ms after the "
+                      f"prompt was sent (first token at {g['first_token_ms']:.1f} ms); the "
+                      "engine's work over it:", "", "| what | thread | start ms | ms | CPU ms |",
+                      "|---|---|---|---|---|"]  # fmt: skip
+            lines += [f"| {e['what']} | {e['thread']} | {e['start_ms']:.1f} | {e['ms']:.1f} | "
+                      f"{'-' if e['cpu_ms'] is None else format(e['cpu_ms'], '.1f')} |"
+                      for e in inside]  # fmt: skip
     lines += ["", "Bars (issue 22): " + "; ".join(f"{k}: {v}" for k, v in bars.items())]
     return "\n".join(lines) + "\n"
 

@@ -63,6 +63,9 @@ def test_the_script_runs_on_the_cpu(tmp_path, sampled):
         assert r["total_tok_s"] > 0 and len(r["per_stream_tok_s"]) == r["concurrency"]
     t = res["ttft"]
     assert t["errors"] == [] and t["busy_ttft_s"] > 0 and t["idle_ttft_median_s"] > 0
+    # the engine's work while the new prompt waited: its own prefill among the steps
+    whats = {e["what"] for e in t["gap_trace"]["events"]}
+    assert {"Batch.step", "Engine.prefill_chunk", "Engine.take_state"} <= whats
     assert "| 2 |" in md.read_text() and "Bars (issue 22)" in md.read_text()
     assert png.read_bytes()[:4] == b"\x89PNG"
 
