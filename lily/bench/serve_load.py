@@ -35,14 +35,14 @@ __all__ = ["MODEL", "Load", "Server", "Stream", "bars", "busy_ttft", "gap_trace"
 class Server:
     """``lily serve``'s app on ``engine`` under uvicorn in a thread, on a free local port."""
 
-    def __init__(self, engine, max_running: int, queue_size: int = 64):
+    def __init__(self, engine, max_running: int, queue_size: int = 64, gc_freeze: bool = True):
         import httpx
         import uvicorn
 
         from lily.server.app import Settings, create_app
 
         settings = Settings(served_model_names=[MODEL], max_running=max_running,
-                            queue_size=queue_size)  # fmt: skip
+                            queue_size=queue_size, gc_freeze=gc_freeze)  # fmt: skip
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]

@@ -11,6 +11,7 @@ or queued) finish, then the process exits 0.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import math
 import threading
@@ -69,6 +70,12 @@ class Settings:
     # Compile (or load from Triton's cache) every kernel variant before reporting ready, so
     # the first request of each shape does not wait for compiles (docs/RELIABILITY.md).
     warmup: bool = True
+    # Once the model is loaded and warm, the objects that exist live as long as the server:
+    # gc.freeze() puts them out of the collector's reach. A full collection walks every
+    # tracked object (about 0.1 s over the loaded server's on a 2-core host) holding the
+    # GIL, and the engine thread stops for it: the streams' gaps beside a new prefill
+    # (docs/notes/batching.md, "Fourteenth session").
+    gc_freeze: bool = True
 
 
 class Context:
@@ -90,6 +97,7 @@ class Context:
         self.log_requests = settings.log_requests
         self.vocab_size = 0
         self.created = int(time.time())
+        self.frozen = False  # the heap was frozen at start-up (Settings.gc_freeze)
 
     def attach(self, engine: Any) -> None:
         self.engine = engine
@@ -156,6 +164,10 @@ def create_app(
                 engine = load_engine()
                 _start_engine(engine, ctx)
                 ctx.attach(engine)
+                if settings.gc_freeze:
+                    gc.collect()
+                    gc.freeze()
+                    ctx.frozen = True
                 log.info("model ready: %s", ", ".join(ctx.model_names))
             except Exception as e:
                 if isinstance(e, ValueError | OSError):
@@ -176,6 +188,9 @@ def create_app(
             # exception", exit status -6).
             if not await asyncio.to_thread(ctx.scheduler.close, _JOIN_TIMEOUT):
                 log.error("the engine did not stop within %gs", _JOIN_TIMEOUT)
+        if ctx.frozen:  # (what the server held may be collected again once it is gone)
+            gc.unfreeze()
+            ctx.frozen = False
 
     # No /docs or /redoc: they load scripts from a CDN. /openapi.json stays (no secrets).
     app = FastAPI(title="lily", version="0.1.0", lifespan=lifespan, docs_url=None,

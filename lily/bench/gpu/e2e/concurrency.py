@@ -63,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="A/B: sys.setswitchinterval in seconds for this process (server and engine)",
     )
+    ap.add_argument(
+        "--no-gc-freeze",
+        action="store_true",
+        help="A/B: the server leaves its start-up heap to the collector (Settings.gc_freeze)",
+    )
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="the tiny random model on the CPU")
     ap.add_argument("--out", help="JSON results")
@@ -103,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     conc = [int(c) for c in args.concurrency.split(",")]
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
-    server = serve_load.Server(engine, args.max_running)
+    server = serve_load.Server(engine, args.max_running, gc_freeze=not args.no_gc_freeze)
     try:
         # (the clients: a process each, started once and reused by every pass)
         with serve_load.Load(server.url, cfg.vocab_size, args.sampled) as load:
