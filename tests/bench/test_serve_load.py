@@ -70,6 +70,32 @@ def test_the_script_runs_on_the_cpu(tmp_path, sampled):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_the_gc_ab_runs_the_ttft_test_unfrozen_then_frozen(tmp_path, monkeypatch):
+    import gc
+
+    from lily.bench import serve_load
+    from lily.bench.gpu.e2e.concurrency import main
+
+    seen = []
+    real = serve_load.busy_ttft
+
+    def spy(*a, **k):  # the heap's state when each TTFT test ran
+        seen.append(gc.get_freeze_count() > 0)
+        return real(*a, **k)
+
+    monkeypatch.setattr(serve_load, "busy_ttft", spy)
+    out = tmp_path / "c.json"
+    assert main(["--tiny", "--concurrency", "1", "--prompt", "12", "--max-tokens", "4",
+                 "--busy", "2", "--busy-tokens", "400", "--repeats", "1", "--no-warmup",
+                 "--gc-ab", "2", "--out", str(out)]) == 0  # fmt: skip
+    assert seen == [False, True, False, True]  # the server itself froze nothing
+    res = json.loads(out.read_text())
+    assert [r["frozen"] for r in res["gc_ab"]] == [False, True, False, True]
+    assert res["ttft"] == res["gc_ab"][1]
+    assert all(r["errors"] == [] and "gap_trace" in r for r in res["gc_ab"])
+    assert gc.get_freeze_count() == 0
+
+
 def test_a_run_cut_after_its_rounds_keeps_them(tmp_path, monkeypatch):
     # the TTFT test fails (as a run stopped by a time limit would never reach its end): the
     # rounds are already in --out, marked partial

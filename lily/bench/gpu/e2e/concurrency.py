@@ -68,6 +68,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="A/B: the server leaves its start-up heap to the collector (Settings.gc_freeze)",
     )
+    ap.add_argument(
+        "--gc-ab",
+        type=int,
+        default=0,
+        metavar="N",
+        help="A/B in one server: N pairs of the TTFT test with the start-up heap left to the "
+        "collector, then frozen (gc_ab in the JSON; the bars take the first frozen one)",
+    )
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="the tiny random model on the CPU")
     ap.add_argument("--out", help="JSON results")
@@ -108,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     conc = [int(c) for c in args.concurrency.split(",")]
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
-    server = serve_load.Server(engine, args.max_running, gc_freeze=not args.no_gc_freeze)
+    freeze = not (args.no_gc_freeze or args.gc_ab)  # (--gc-ab freezes between its runs)
+    server = serve_load.Server(engine, args.max_running, gc_freeze=freeze)
     try:
         # (the clients: a process each, started once and reused by every pass)
         with serve_load.Load(server.url, cfg.vocab_size, args.sampled) as load:
@@ -124,11 +133,42 @@ def main(argv: list[str] | None = None) -> int:
                     load, args.prompt, args.busy, args.busy_tokens, 1 if warm else args.repeats,
                     engine=None if warm else engine,
                 )
+            if args.gc_ab:
+                result["gc_ab"] = _gc_ab(args, load, engine, result.pop("ttft"))
+                result["ttft"] = next(r for r in result["gc_ab"] if r["frozen"])
     finally:
         server.close()
     result["bars"] = serve_load.bars(result)
     env = _write(args, device, result)
     return _outputs(args, result, env["gpu"])
+
+
+def _gc_ab(args, load, engine, first: dict) -> list[dict]:
+    """``--gc-ab``: the TTFT test with the heap left to the collector (``first``, then
+    every other run) and frozen as ``lily serve`` freezes it, alternately."""
+    import gc
+
+    from lily.bench import serve_load
+
+    runs = [first | {"frozen": False}]
+    for i in range(2 * args.gc_ab - 1):
+        frozen = i % 2 == 0
+        if frozen:
+            gc.collect()
+            gc.freeze()
+        else:
+            gc.unfreeze()
+        run = serve_load.busy_ttft(load, args.prompt, args.busy, args.busy_tokens,
+                                   args.repeats, engine=engine)  # fmt: skip
+        runs.append(run | {"frozen": frozen})
+    gc.unfreeze()
+    for r in runs:
+        passes = [(e["what"], e["ms"]) for e in r["gap_trace"]["events"]
+                  if e["what"].startswith("gc")]  # fmt: skip
+        print(f"heap {'frozen' if r['frozen'] else 'not frozen'}: longest gap "
+              f"{1000 * r['max_gap_during_prefill_s']:.1f} ms, busy TTFT "
+              f"{r['busy_ttft_s']:.3f} s, collections in the wait: {passes}")  # fmt: skip
+    return runs
 
 
 def _outputs(args, result: dict, gpu: str | None) -> int:
