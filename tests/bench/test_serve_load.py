@@ -48,8 +48,13 @@ def test_a_stream_of_mostly_textless_tokens_is_an_error_not_a_rate():
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_the_script_runs_on_the_cpu(tmp_path, sampled):
+def test_the_script_runs_on_the_cpu(tmp_path, sampled, monkeypatch):
     from lily.bench.gpu.e2e.concurrency import main
+    from lily.runtime import warmup
+
+    warmed = []
+    real = warmup.warm_up
+    monkeypatch.setattr(warmup, "warm_up", lambda *a, **k: warmed.append(1) or real(*a, **k))
 
     out, md, png = tmp_path / "c.json", tmp_path / "c.md", tmp_path / "c.png"
     assert main(["--tiny", "--concurrency", "1,2", "--prompt", "12", "--max-tokens", "6",
@@ -68,6 +73,7 @@ def test_the_script_runs_on_the_cpu(tmp_path, sampled):
     assert {"Batch.step", "Engine.prefill_chunk", "Engine.take_state"} <= whats
     assert "| 2 |" in md.read_text() and "Bars (issue 22)" in md.read_text()
     assert png.read_bytes()[:4] == b"\x89PNG"
+    assert warmed == [1]  # the server warmed its kernels up, as lily serve does
 
 
 def test_the_gc_ab_runs_the_ttft_test_unfrozen_then_frozen(tmp_path, monkeypatch):
@@ -83,11 +89,16 @@ def test_the_gc_ab_runs_the_ttft_test_unfrozen_then_frozen(tmp_path, monkeypatch
         seen.append(gc.get_freeze_count() > 0)
         return real(*a, **k)
 
+    from lily.runtime import warmup
+
+    warmed = []
     monkeypatch.setattr(serve_load, "busy_ttft", spy)
+    monkeypatch.setattr(warmup, "warm_up", lambda *a, **k: warmed.append(1))
     out = tmp_path / "c.json"
     assert main(["--tiny", "--concurrency", "1", "--prompt", "12", "--max-tokens", "4",
                  "--busy", "2", "--busy-tokens", "400", "--repeats", "1", "--no-warmup",
-                 "--gc-ab", "2", "--out", str(out)]) == 0  # fmt: skip
+                 "--gc-ab", "2", "--no-server-warmup", "--out", str(out)]) == 0  # fmt: skip
+    assert warmed == []  # --no-server-warmup: the server skipped its kernel warm-up
     assert seen == [False, True, False, True]  # the server itself froze nothing
     res = json.loads(out.read_text())
     assert [r["frozen"] for r in res["gc_ab"]] == [False, True, False, True]

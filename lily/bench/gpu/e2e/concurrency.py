@@ -76,7 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         help="A/B in one server: N pairs of the TTFT test with the start-up heap left to the "
         "collector, then frozen (gc_ab in the JSON; the bars take the first frozen one)",
     )
-    ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--no-warmup", action="store_true", help="no warm-up pass of the rounds")
+    ap.add_argument(
+        "--no-server-warmup",
+        action="store_true",
+        help="the server starts without its kernel warm-up (every tile and bucket: minutes on "
+        "an empty Triton cache); the warm-up pass still compiles what the rounds use",
+    )
     ap.add_argument("--tiny", action="store_true", help="the tiny random model on the CPU")
     ap.add_argument("--out", help="JSON results")
     ap.add_argument("--md", help="Markdown results")
@@ -117,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     freeze = not (args.no_gc_freeze or args.gc_ab)  # (--gc-ab freezes between its runs)
-    server = serve_load.Server(engine, args.max_running, gc_freeze=freeze)
+    server = serve_load.Server(engine, args.max_running, gc_freeze=freeze,
+                               warmup=not args.no_server_warmup)  # fmt: skip
     try:
         # (the clients: a process each, started once and reused by every pass)
         with serve_load.Load(server.url, cfg.vocab_size, args.sampled) as load:
