@@ -15,8 +15,9 @@ The batch holds the running sequences (lily/runtime/sequence.py) in arrival orde
    (``Runner.launch_rows_ahead``), while the rows stay the same; any change (a row ends,
    is cancelled or joins) first reads the draws in flight (``_drain``).
 2. prefill: one chunk of the oldest sequence still prefilling, at most
-   ``decode_prefill_chunk`` tokens while others decode (their streams wait for it); its
-   first token comes at the end of its last chunk.
+   ``decode_prefill_chunk`` tokens while others decode (their streams wait for it; the
+   server hands out the decode's tokens before the chunk is launched); its first token
+   comes at the end of its last chunk.
 
 A fault in one request's sampling or logits processor fails that request only; a fault in
 a model step fails the requests it was computing, and a state left half-updated is
@@ -79,9 +80,14 @@ class Batch:
             self._release(seq)
 
     # ---- the step
-    def step(self) -> list[Output]:
+    def step(self, deliver: Callable[[list[Output]], None] | None = None) -> list[Output]:
         """Advance every running request by one token, and one prefill by a chunk; the
-        outputs (an exception for a request that failed) in order."""
+        outputs (an exception for a request that failed) in order.
+
+        With ``deliver``, the decode's outputs go to it before a prefill chunk is launched,
+        and only the prefill's are returned: a chunk's launches hold the host (and the GIL)
+        for 30-50 ms (bench/results/concurrency_gc_ab_h100_s14.json), and the running
+        streams' tokens would wait for them."""
         outs: list[Output] = []
         with torch.inference_mode():
             decoding = [s for s in self.seqs if s.decoding]
@@ -101,6 +107,9 @@ class Batch:
                 self._together(decoding, outs)
             waiting = [s for s in self.seqs if not s.decoding and not s.done]
             if waiting:
+                if deliver is not None and outs:
+                    deliver(outs)
+                    outs = []
                 self._prefill(waiting[0], outs)
         return outs
 

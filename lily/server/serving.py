@@ -189,7 +189,8 @@ class Scheduler:
                 # The server never needs autograd; inference mode also lets the engine update
                 # its cached tensors in place (they were made in inference mode).
                 with torch.inference_mode():
-                    outs = self.engine.batch.step()
+                    # (the decode's tokens go out before a prefill chunk's launches)
+                    outs = self.engine.batch.step(self._deliver)
             except Exception as e:  # a fault outside any one request: all of them fail
                 log_error("engine step failed", e, log.isEnabledFor(logging.DEBUG))
                 outs = [(job.seq, e) for job in list(self._running) if job.seq is not None]

@@ -11,6 +11,7 @@ log-probs or a logits processor send its draws to the host.
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 
@@ -293,6 +294,49 @@ def test_long_prefill_is_interleaved_with_running_decodes(hf_tiny_dir):
     assert b.usage.cached_tokens == 0 and b.usage.prompt_tokens == len(P2)
     assert b.generated == [o.token_id for o in alone(ref, P2, SamplingParams(
         temperature=0.0, max_tokens=3))][: len(b.generated)]  # fmt: skip
+
+
+@pytest.mark.parametrize("device_draws", [False, True], ids=["host", "device"])
+def test_the_decode_tokens_are_delivered_before_the_prefill_chunk(hf_tiny_dir, device_draws):
+    """``step(deliver)``: each step's decode outputs reach ``deliver`` before its prefill
+    chunk is launched (the server hands them out while the chunk's launches hold the host);
+    step returns the rest, and the streams are those of a plain ``step()``."""
+
+    def run(with_deliver: bool) -> list[tuple]:
+        e = make(hf_tiny_dir, device_draws)
+        log: list[tuple] = []  # (step, "chunk") as launched, (step, tag, id) as handed out
+        step = [0]
+        inner = e.runner.prefill_snapshots
+
+        def chunk(ids, state, points):
+            log.append((step[0], "chunk"))
+            return inner(ids, state, points)
+
+        def out(outs):
+            log.extend((step[0], s.tag, o.token_id) for s, o in outs)
+
+        e.runner.prefill_snapshots = chunk
+        a = e.batch.add(P1, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                        tag=0)  # fmt: skip
+        while not a.decoding:
+            e.batch.step()
+        e.batch.add(P2, SamplingParams(temperature=0.0, max_tokens=3), tag=1)
+        log.clear()
+        while len(e.batch):
+            step[0] += 1
+            out(e.batch.step(out) if with_deliver else e.batch.step())
+        return log
+
+    got, plain = run(True), run(False)
+    chunks = [i for i, x in enumerate(got) if x[1] == "chunk"]
+    assert len(chunks) == 14  # 41 tokens in chunks of 3, one a step
+    for i in chunks:  # a's token of the same step is out before the step's chunk ...
+        k = got[i][0]
+        assert (k, 0) in [x[:2] for x in got[:i]]
+    for i, x in enumerate(plain):  # ... where a plain step returns it after the chunk
+        if x[1] == "chunk":
+            assert (x[0], 0) not in [y[:2] for y in plain[:i]]
+    assert Counter(got) == Counter(plain)  # the same tokens at the same steps
 
 
 DEVICE_REQS = [

@@ -42,7 +42,7 @@ class HookedBatch:
         time.sleep(self._prefill_delay)
         return self._batch.add(prompt, params, cancelled, processor, usage, tag)
 
-    def step(self):
+    def step(self, deliver=None):  # (every output returned, the injected faults applied)
         out, failed = [], set()
         for seq, step in self._batch.step():
             if id(seq) in failed:

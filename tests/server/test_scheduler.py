@@ -38,7 +38,7 @@ class FakeBatch:
         self.seqs.append(s)
         return s
 
-    def step(self):
+    def step(self, deliver=None):  # (all outputs returned: deliver is the batch's choice)
         self.gate.wait()
         time.sleep(self.delay)
         self.widest = max(self.widest, len(self.seqs))
