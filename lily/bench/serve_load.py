@@ -35,15 +35,16 @@ __all__ = ["MODEL", "Load", "Server", "Stream", "bars", "busy_ttft", "gap_trace"
 class Server:
     """``lily serve``'s app on ``engine`` under uvicorn in a thread, on a free local port."""
 
-    def __init__(self, engine, max_running: int, queue_size: int = 64, **settings):
+    def __init__(self, engine, max_running: int, queue_size: int = 64, gc_freeze: bool = True,
+                 warmup: bool = True):  # fmt: skip
         import httpx
         import uvicorn
 
         from lily.server.app import Settings, create_app
 
-        # (``settings``: more of lily serve's Settings, for the A/B runs)
         settings = Settings(served_model_names=[MODEL], max_running=max_running,
-                            queue_size=queue_size, **settings)  # fmt: skip
+                            queue_size=queue_size, gc_freeze=gc_freeze,
+                            warmup=warmup)  # fmt: skip
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]

@@ -14,7 +14,6 @@ import asyncio
 import gc
 import logging
 import math
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -73,19 +72,10 @@ class Settings:
     warmup: bool = True
     # Once the model is loaded and warm, the objects that exist live as long as the server:
     # gc.freeze() puts them out of the collector's reach. A full collection walks every
-    # tracked object holding the GIL (0.09 s over the loaded server's modules on a 2-core
-    # host), and the engine thread stops for it. (Measured on an H100 beside a new prefill:
-    # no full collection fell in the six waits traced, so it did not cause the gaps there;
-    # docs/notes/batching.md, "Fourteenth session".)
+    # tracked object (about 0.1 s over the loaded server's on a 2-core host) holding the
+    # GIL, and the engine thread stops for it: the streams' gaps beside a new prefill
+    # (docs/notes/batching.md, "Fourteenth session").
     gc_freeze: bool = True
-    # The GIL's switch interval while the server runs (None: Python's 5 ms). The engine
-    # thread holds the GIL for a prefill chunk's 30-50 ms of launches; the event loop,
-    # which hands the streams their tokens, waits a switch interval for it after every
-    # socket write (a thread that gave the GIL up for a syscall gets it back only when the
-    # holder is made to drop it), so 7 streams' tokens took up to a whole chunk to go out.
-    # 0.5 ms changed no throughput (seventh session: 1,287.0 / 1,677.8 tok/s at 4 / 8
-    # streams, H200).
-    switch_interval: float | None = 0.0005
 
 
 class Context:
@@ -108,7 +98,6 @@ class Context:
         self.vocab_size = 0
         self.created = int(time.time())
         self.frozen = False  # the heap was frozen at start-up (Settings.gc_freeze)
-        self.switch_before: float | None = None  # Python's switch interval before ours
 
     def attach(self, engine: Any) -> None:
         self.engine = engine
@@ -175,7 +164,10 @@ def create_app(
                 engine = load_engine()
                 _start_engine(engine, ctx)
                 ctx.attach(engine)
-                _tune_host(ctx)
+                if settings.gc_freeze:
+                    gc.collect()
+                    gc.freeze()
+                    ctx.frozen = True
                 log.info("model ready: %s", ", ".join(ctx.model_names))
             except Exception as e:
                 if isinstance(e, ValueError | OSError):
@@ -196,7 +188,9 @@ def create_app(
             # exception", exit status -6).
             if not await asyncio.to_thread(ctx.scheduler.close, _JOIN_TIMEOUT):
                 log.error("the engine did not stop within %gs", _JOIN_TIMEOUT)
-        _restore_host(ctx)
+        if ctx.frozen:  # (what the server held may be collected again once it is gone)
+            gc.unfreeze()
+            ctx.frozen = False
 
     # No /docs or /redoc: they load scripts from a CDN. /openapi.json stays (no secrets).
     app = FastAPI(title="lily", version="0.1.0", lifespan=lifespan, docs_url=None,
@@ -311,30 +305,6 @@ def create_app(
             allow_headers=["*"], expose_headers=["X-Request-Id"],
         )  # fmt: skip
     return app
-
-
-def _tune_host(ctx: Context) -> None:
-    """Once the engine is ready: the heap frozen and the GIL's switch interval set, as the
-    settings ask (see Settings)."""
-    st = ctx.settings
-    if st.gc_freeze:
-        gc.collect()
-        gc.freeze()
-        ctx.frozen = True
-    if st.switch_interval is not None:
-        ctx.switch_before = sys.getswitchinterval()
-        sys.setswitchinterval(st.switch_interval)
-
-
-def _restore_host(ctx: Context) -> None:
-    """At shutdown: what ``_tune_host`` changed put back (the process may go on: tests, a
-    benchmark); what the server held may be collected again."""
-    if ctx.frozen:
-        gc.unfreeze()
-        ctx.frozen = False
-    if ctx.switch_before is not None:
-        sys.setswitchinterval(ctx.switch_before)
-        ctx.switch_before = None
 
 
 def _start_engine(engine: Any, ctx: Context) -> None:

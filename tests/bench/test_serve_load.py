@@ -78,17 +78,15 @@ def test_the_script_runs_on_the_cpu(tmp_path, sampled, monkeypatch):
 
 def test_the_gc_ab_runs_the_ttft_test_unfrozen_then_frozen(tmp_path, monkeypatch):
     import gc
-    import sys
 
     from lily.bench import serve_load
     from lily.bench.gpu.e2e.concurrency import main
 
-    seen, intervals = [], []
+    seen = []
     real = serve_load.busy_ttft
 
     def spy(*a, **k):  # the heap's state when each TTFT test ran
         seen.append(gc.get_freeze_count() > 0)
-        intervals.append(sys.getswitchinterval())
         return real(*a, **k)
 
     from lily.runtime import warmup
@@ -99,9 +97,7 @@ def test_the_gc_ab_runs_the_ttft_test_unfrozen_then_frozen(tmp_path, monkeypatch
     out = tmp_path / "c.json"
     assert main(["--tiny", "--concurrency", "1", "--prompt", "12", "--max-tokens", "4",
                  "--busy", "2", "--busy-tokens", "400", "--repeats", "1", "--no-warmup",
-                 "--gc-ab", "2", "--no-server-warmup", "--switch-interval", "0.002",
-                 "--out", str(out)]) == 0  # fmt: skip
-    assert intervals == [pytest.approx(0.002)] * 4  # the server's, as asked
+                 "--gc-ab", "2", "--no-server-warmup", "--out", str(out)]) == 0  # fmt: skip
     assert warmed == []  # --no-server-warmup: the server skipped its kernel warm-up
     assert seen == [False, True, False, True]  # the server itself froze nothing
     res = json.loads(out.read_text())

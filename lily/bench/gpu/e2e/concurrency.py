@@ -61,8 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         "--switch-interval",
         type=float,
         default=None,
-        help="A/B: the server's GIL switch interval in seconds (Settings.switch_interval; "
-        "0.005 is Python's own)",
+        help="A/B: sys.setswitchinterval in seconds for this process (server and engine)",
     )
     ap.add_argument(
         "--no-gc-freeze",
@@ -121,11 +120,11 @@ def main(argv: list[str] | None = None) -> int:
                                 name="random " + ("tiny" if args.tiny else "full"),
                                 text_only=True)  # fmt: skip
     conc = [int(c) for c in args.concurrency.split(",")]
-    freeze = not (args.no_gc_freeze or args.gc_ab)  # (--gc-ab freezes between its runs)
-    tuning = {"gc_freeze": freeze, "warmup": not args.no_server_warmup}
     if args.switch_interval is not None:
-        tuning["switch_interval"] = args.switch_interval
-    server = serve_load.Server(engine, args.max_running, **tuning)
+        sys.setswitchinterval(args.switch_interval)
+    freeze = not (args.no_gc_freeze or args.gc_ab)  # (--gc-ab freezes between its runs)
+    server = serve_load.Server(engine, args.max_running, gc_freeze=freeze,
+                               warmup=not args.no_server_warmup)  # fmt: skip
     try:
         # (the clients: a process each, started once and reused by every pass)
         with serve_load.Load(server.url, cfg.vocab_size, args.sampled) as load:
