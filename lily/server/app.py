@@ -72,9 +72,11 @@ class Settings:
     warmup: bool = True
     # Once the model is loaded and warm, the objects that exist live as long as the server:
     # gc.freeze() puts them out of the collector's reach. A full collection walks every
-    # tracked object (about 0.1 s over the loaded server's on a 2-core host) holding the
-    # GIL, and the engine thread stops for it: the streams' gaps beside a new prefill
-    # (docs/notes/batching.md, "Fourteenth session").
+    # tracked object holding the GIL (0.09 s over the loaded server's modules on a 2-core
+    # host; 0.003 ms once frozen), and the engine thread stops for it. On an H100 beside a
+    # new prefill no full collection fell in the six waits traced, frozen or not, and the
+    # gaps were the same (docs/notes/batching.md, "Fourteenth session"): it bounds a rare
+    # pause, not the gaps measured there.
     gc_freeze: bool = True
 
 
