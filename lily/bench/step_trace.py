@@ -1,10 +1,11 @@
 """Where a stream's gap went: the engine's work and the garbage collector's passes, on the
 clients' clock, while a serve benchmark runs (lily/bench/serve_load.py's ``busy_ttft``).
 
-A stream's longest gap beside a new prefill has stayed between 68 and 103 ms on the H200
-from a decode_prefill_chunk of 512 to 1,024 (docs/notes/batching.md), while a 1,024-token
-chunk takes about 30 ms on the device: something other than the chunk holds the streams.
-The trace names it: every call of the traced engine methods (the batch's step, a prefill
+A stream's longest gap beside a new prefill stayed between 68 and 103 ms on the H200 from
+a decode_prefill_chunk of 512 to 1,024, while a 1,024-token chunk takes about 30 ms on the
+device. The trace named what held the streams (docs/notes/batching.md, "Fourteenth
+session": the chunk's 30-52 ms of host launches before the step's tokens went out): every
+call of the traced engine methods (the batch's step, a prefill
 chunk, a working state taken, the host waiting for a batched step's draws) and every
 collection, each with its start and end on ``time.perf_counter`` (CLOCK_MONOTONIC: the
 client processes' clock, lily/bench/serve_clients.py) and the CPU time its thread spent
@@ -102,6 +103,7 @@ class StepTrace:
         o = t0 if origin is None else origin
         with self._lock:
             hit = [e for e in self.events if e["end"] >= t0 and e["start"] <= t1]
+
         def ms(x: float | None) -> float | None:
             return None if x is None else round(1000 * x, 3)
 
