@@ -190,7 +190,7 @@ class Scheduler:
                 # its cached tensors in place (they were made in inference mode).
                 with torch.inference_mode():
                     # (the decode's tokens go out before a prefill chunk's launches)
-                    outs = self.engine.batch.step(self._deliver)
+                    outs = self.engine.batch.step(self._deliver_now)
             except Exception as e:  # a fault outside any one request: all of them fail
                 log_error("engine step failed", e, log.isEnabledFor(logging.DEBUG))
                 outs = [(job.seq, e) for job in list(self._running) if job.seq is not None]
@@ -223,6 +223,18 @@ class Scheduler:
                                             processor=job.processor, tag=job)  # fmt: skip
         except Exception as e:  # noqa: BLE001 - a request the engine refuses fails alone
             self._end(job, ("error", e), "failure")
+
+    def _deliver_now(self, outs: list) -> None:
+        """``_deliver``, then wait (FLUSH_S at most) until the event loop has run the
+        requests' coroutines on them: the batch calls it before a prefill chunk, whose
+        launches hold the GIL for 30-50 ms with releases too short for the loop to take it
+        (each launch gives it up for microseconds, which resets the switch interval's
+        count), so what was posted would wait for the whole chunk (docs/notes/batching.md,
+        "Fourteenth session")."""
+        self._deliver(outs)
+        loops = {id(s.tag.loop): s.tag.loop for s, _ in outs if s.tag.loop is not None}
+        for loop in loops.values():
+            flush(loop, FLUSH_S)
 
     def _deliver(self, outs: list) -> None:
         """Hand each output to its request; end the requests that finished."""
@@ -269,6 +281,24 @@ class Scheduler:
         # NOTE: posted after leaving `_running`, so a client that sees its answer also sees
         # the engine free in /metrics.
         job.post(*final)
+
+
+# The longest the engine waits for the event loop to hand out a step's tokens before a
+# prefill chunk (the loop's turn takes about a millisecond; a stuck loop costs this much).
+FLUSH_S = 0.01
+
+
+def flush(loop: asyncio.AbstractEventLoop, timeout: float) -> bool:
+    """From another thread: wait until ``loop`` has run what was scheduled on it before
+    this call, and the tasks that woke (one turn more), at most ``timeout`` s; whether it
+    did."""
+    done = threading.Event()
+    try:
+        # run after what is queued now; the inner call_soon after the tasks that it wakes
+        loop.call_soon_threadsafe(loop.call_soon, done.set)
+    except RuntimeError:  # the loop is closed: nothing to wait for
+        return True
+    return done.wait(timeout)
 
 
 async def events(job: Job, keepalive: float | None) -> AsyncIterator[tuple[str, Any]]:

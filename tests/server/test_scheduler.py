@@ -163,3 +163,69 @@ def test_cancelling_a_running_job_ends_it_alone(make):
     assert a.outcome == "cancelled" and b.outcome == "success"
     assert res_a[-2][1].finish_reason == "cancelled" and len(res_a) < 40
     assert sched.busy == (0, 0)
+
+
+def test_flush_waits_for_what_was_posted_and_the_tasks_it_woke():
+    """``flush``: back only once the loop has run what was posted before it and the tasks
+    that woke (a handler taking 50 ms included); a stuck loop costs its timeout."""
+    from lily.server.serving import flush
+
+    loop = asyncio.new_event_loop()
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    try:
+        seen: list = []
+        q: asyncio.Queue = asyncio.Queue()
+        started = threading.Event()
+
+        async def handler():
+            started.set()
+            while True:
+                x = await q.get()
+                time.sleep(0.05)  # (a handler's work, the loop held)
+                seen.append(x)
+
+        task = asyncio.run_coroutine_threadsafe(handler(), loop)
+        assert started.wait(5)
+        time.sleep(0.05)  # the handler waits on the queue
+        loop.call_soon_threadsafe(q.put_nowait, 1)  # as Job.post does
+        assert flush(loop, 5.0)
+        assert seen == [1]  # the woken handler ran before flush returned
+        loop.call_soon_threadsafe(time.sleep, 0.5)  # a loop stuck for 0.5 s
+        t0 = time.perf_counter()
+        assert not flush(loop, 0.02)
+        assert time.perf_counter() - t0 < 0.3
+        task.cancel()
+        time.sleep(0.6)  # (the stuck turn over, the handler's cancellation runs)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(5)
+        loop.close()
+    assert flush(loop, 0.02)  # a closed loop: nothing to wait for
+
+
+def test_the_early_delivery_flushes_the_requests_loops(monkeypatch):
+    """The batch's early delivery (before a prefill chunk) posts each output and then waits
+    for each of the requests' event loops, once a loop; the end-of-step delivery does not
+    wait."""
+    from lily.server import serving
+
+    calls = []
+    monkeypatch.setattr(serving, "flush", lambda loop, timeout: calls.append((loop, timeout)))
+    loop = asyncio.new_event_loop()
+    try:
+        engine = type("E", (), {"batch": FakeBatch()})()
+        sched = Scheduler(engine, Metrics("t"), 8, 4)
+        jobs = [job(3), job(3)]
+        for j in jobs:
+            j.loop = loop
+        outs = [(FakeSeq(3, lambda: False, j), StepOutput(7, "x")) for j in jobs]
+        sched._deliver_now(outs)
+        assert calls == [(loop, serving.FLUSH_S)]
+        loop.run_until_complete(asyncio.sleep(0))  # the posts run on the loop
+        assert [j.out.get_nowait()[0] for j in jobs] == ["step", "step"]
+        calls.clear()
+        sched._deliver(outs)
+        assert calls == []
+    finally:
+        loop.close()
