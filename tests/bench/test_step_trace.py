@@ -60,11 +60,11 @@ def test_the_trace_records_a_collection_and_stops_with_close():
     tr = StepTrace(_Engine())
     gc.collect()
     tr.close()
-    passes = [x for x in tr.events if x["what"].startswith("gc generation")]
-    assert [x["what"] for x in passes] == ["gc generation 2"]
-    assert passes[0]["cpu"] is None and passes[0]["end"] >= passes[0]["start"]
+    # (a young collection may also fall in the window; the full one is ours)
+    full = [x for x in tr.events if x["what"] == "gc generation 2"]
+    assert len(full) == 1 and full[0]["cpu"] is None and full[0]["end"] >= full[0]["start"]
     gc.collect()
-    assert len([x for x in tr.events if x["what"].startswith("gc")]) == 1
+    assert len([x for x in tr.events if x["what"] == "gc generation 2"]) == 1
 
 
 def test_during_keeps_the_overlapping_events_in_milliseconds_from_the_origin():
