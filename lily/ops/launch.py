@@ -113,6 +113,8 @@ def use_pdl(pdl: bool, device: torch.device) -> bool:
 
 # LILY_FAST_LAUNCH=0 sends every launch through Triton's own path (for bisecting).
 _FAST = os.environ.get("LILY_FAST_LAUNCH", "1") != "0"
+# LILY_INT_POINTERS=0 passes tensors to the direct launch, not their addresses (for A/B).
+_INT_POINTERS = os.environ.get("LILY_INT_POINTERS", "1") != "0"
 
 
 _I32, _I64 = 2**31, 2**63
@@ -224,6 +226,13 @@ class Launched:
             self.cache[key] = self.fn[grid](*args, **kwargs)
             return
         rest = self.names[len(args) :]
+        if _INT_POINTERS:
+            # NOTE: Triton's launcher calls cuPointerGetAttribute on every tensor's address
+            # (a driver call each, ~12 a launch) to reject host memory; an int address it
+            # passes as it is. This signature's first launch went through Triton's checks,
+            # and the launchers check devices themselves.
+            tensor, param = torch.Tensor, torch.nn.Parameter
+            args = [a.data_ptr() if type(a) is tensor or type(a) is param else a for a in args]
         bound = [*args, *(kwargs[n] if n in kwargs else self.defaults[n] for n in rest)]
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1

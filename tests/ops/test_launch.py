@@ -74,9 +74,11 @@ def test_launched_goes_direct_only_for_a_seen_signature(fake_triton):
     assert len(slow) == 1
     compiled = next(iter(k.cache.values()))
     # grid padded to 3-D, the stream, no metadata or hooks, then every parameter in order
-    # with the defaults filled in
-    assert compiled.calls == [(7, 2, 1, 1234, "fn", "meta", None, None, None, x, 5, 1e-6, 4,
-                               False)]  # fmt: skip
+    # with the defaults filled in; a tensor as its address (an int: Triton's launcher then
+    # makes no driver call to check it)
+    assert compiled.calls == [(7, 2, 1, 1234, "fn", "meta", None, None, None, x.data_ptr(),
+                               5, 1e-6, 4, False)]  # fmt: skip
+    assert type(compiled.calls[0][9]) is int
     # anything Triton specializes on makes a new signature, which goes through Triton
     k[(1,)](x[1:], 5, 1e-6, BLOCK=4)  # a pointer off 16-byte alignment
     k[(1,)](x, 16, 1e-6, BLOCK=4)  # an int divisible by 16
@@ -119,3 +121,19 @@ def test_launch_key_is_the_spec_of_every_argument():
     k.by_value = (False,) * (len(args) - 1) + (True,)
     assert k._key(args) == tuple(launch._spec(a) for a in args[:-1]) + (64,)
     assert k._key((t[1:],)) != k._key((t,))  # 2-byte offset: not 16-byte aligned
+
+
+@pytest.mark.parametrize("ints", [True, False])
+def test_direct_launch_passes_each_view_at_its_own_address(fake_triton, monkeypatch, ints):
+    """A view 64 bytes into x (the same signature: direct) reaches the kernel at x's
+    address + 64: as an int by default, as the tensor itself with LILY_INT_POINTERS=0."""
+    monkeypatch.setattr(launch, "_INT_POINTERS", ints)
+    k, slow = fake_triton
+    x = torch.zeros(64, dtype=torch.float32)
+    k[(1,)](x, 5, 1e-6, BLOCK=4)
+    k[(1,)](x[16:], 5, 1e-6, BLOCK=4)
+    compiled = next(iter(k.cache.values()))
+    assert len(slow) == 1 and len(compiled.calls) == 1
+    p = compiled.calls[0][9]
+    assert (type(p) is int) == ints
+    assert (p if ints else p.data_ptr()) == x.data_ptr() + 64
