@@ -155,8 +155,8 @@ def _hooked() -> bool:
     """Whether a launch hook is installed (Triton 3.6 keeps an empty HookChain when none
     is; a profiler such as proton adds one), so launches must go through Triton."""
     rt = triton.knobs.runtime
-    return any(getattr(h, "calls", h is not None) for h in (rt.launch_enter_hook,
-                                                           rt.launch_exit_hook))  # fmt: skip
+    h, x = rt.launch_enter_hook, rt.launch_exit_hook  # (no generator: a launch asks this)
+    return bool(getattr(h, "calls", h is not None) or getattr(x, "calls", x is not None))
 
 
 class Launched:
@@ -190,23 +190,37 @@ class Launched:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def _key(self, args: tuple) -> tuple:
-        """``_spec`` of each argument (constexprs by value), with tensors and ints inline:
-        a prefill keys about 670 launches of ~17 arguments, and a call per argument was
-        about a third of the key's host time."""
-        out = []
-        tensor, param = torch.Tensor, torch.nn.Parameter
+        """``_spec`` of each argument (constexprs by value)."""
+        return self._key_args(args)[0]
+
+    def _key_args(self, args: tuple) -> tuple[tuple, list]:
+        """(``_key``, the arguments as the direct launch passes them: a tensor as its
+        address with _INT_POINTERS), in one pass with tensors and ints inline: a prefill
+        keys about 500 launches of ~17 arguments, and a call per argument was about a third
+        of the key's host time.
+
+        NOTE: Triton's launcher calls cuPointerGetAttribute on every tensor's address (a
+        driver call each, ~12 a launch) to reject host memory; an int it passes as it is.
+        A signature's first launch goes through Triton's checks, and the launchers check
+        devices themselves."""
+        out, call = [], []
+        tensor, param, ints = torch.Tensor, torch.nn.Parameter, _INT_POINTERS
         for a, v in zip(args, self.by_value, strict=False):
             t = type(a)
             if v:
                 out.append(a)
             elif t is tensor or t is param:
-                out.append((a.dtype, a.data_ptr() % 16 == 0))
+                p = a.data_ptr()
+                out.append((a.dtype, p % 16 == 0))
+                if ints:
+                    a = p
             elif t is int:  # as _spec: width, equality to 1, divisibility by 16
                 w = 0 if -_I32 <= a < _I32 else 1 if -_I64 <= a < _I64 else 2
                 out.append(("i", w, a == 1, a % 16 == 0))
             else:
                 out.append(_spec(a))
-        return tuple(out)
+            call.append(a)
+        return tuple(out), call
 
     def launch(self, grid, args: tuple, kwargs: dict) -> None:
         if _recording is not None:  # the compile matrix: note the launch, run nothing
@@ -217,7 +231,8 @@ class Launched:
             return
         try:
             # a call site passes its keywords in one order: no sort needed for a stable key
-            key = (_current_device(), self._key(args), tuple(kwargs.items()))
+            spec, call = self._key_args(args)
+            key = (_current_device(), spec, tuple(kwargs.items()))
             kernel = self.cache.get(key)
         except TypeError:  # an argument kind the key does not cover, or unhashable
             self.fn[grid](*args, **kwargs)
@@ -226,14 +241,7 @@ class Launched:
             self.cache[key] = self.fn[grid](*args, **kwargs)
             return
         rest = self.names[len(args) :]
-        if _INT_POINTERS:
-            # NOTE: Triton's launcher calls cuPointerGetAttribute on every tensor's address
-            # (a driver call each, ~12 a launch) to reject host memory; an int address it
-            # passes as it is. This signature's first launch went through Triton's checks,
-            # and the launchers check devices themselves.
-            tensor, param = torch.Tensor, torch.nn.Parameter
-            args = [a.data_ptr() if type(a) is tensor or type(a) is param else a for a in args]
-        bound = [*args, *(kwargs[n] if n in kwargs else self.defaults[n] for n in rest)]
+        bound = [*call, *(kwargs[n] if n in kwargs else self.defaults[n] for n in rest)]
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         stream = _current_stream(key[0])
