@@ -113,8 +113,10 @@ def use_pdl(pdl: bool, device: torch.device) -> bool:
 
 # LILY_FAST_LAUNCH=0 sends every launch through Triton's own path (for bisecting).
 _FAST = os.environ.get("LILY_FAST_LAUNCH", "1") != "0"
-# LILY_INT_POINTERS=0 passes tensors to the direct launch, not their addresses (for A/B).
-_INT_POINTERS = os.environ.get("LILY_INT_POINTERS", "1") != "0"
+# LILY_INT_POINTERS=1: the direct launch passes tensors' addresses as ints (see _key_args).
+# Off until measured on a GPU: it saves a driver call a tensor argument, but a host tensor
+# that reached a launch would then fault on the device instead of raising in Triton.
+_INT_POINTERS = os.environ.get("LILY_INT_POINTERS", "0") == "1"
 
 
 _I32, _I64 = 2**31, 2**63

@@ -51,6 +51,7 @@ def _kernel_source(p_x, n, eps, BLOCK: tl.constexpr, FLAG: tl.constexpr = False)
 def fake_triton(monkeypatch):
     """A real JITFunction whose Triton path is replaced by a recorder (no GPU here)."""
     monkeypatch.setattr(launch, "_FAST", True)
+    monkeypatch.setattr(launch, "_INT_POINTERS", True)
     monkeypatch.setattr(launch, "_has_cuda", lambda: True)
     monkeypatch.setattr(launch, "_current_device", lambda: 0)
     monkeypatch.setattr(launch, "_current_stream", lambda dev: 1234)
@@ -74,8 +75,8 @@ def test_launched_goes_direct_only_for_a_seen_signature(fake_triton):
     assert len(slow) == 1
     compiled = next(iter(k.cache.values()))
     # grid padded to 3-D, the stream, no metadata or hooks, then every parameter in order
-    # with the defaults filled in; a tensor as its address (an int: Triton's launcher then
-    # makes no driver call to check it)
+    # with the defaults filled in; with LILY_INT_POINTERS=1 a tensor as its address (an
+    # int: Triton's launcher then makes no driver call to check it)
     assert compiled.calls == [(7, 2, 1, 1234, "fn", "meta", None, None, None, x.data_ptr(),
                                5, 1e-6, 4, False)]  # fmt: skip
     assert type(compiled.calls[0][9]) is int
@@ -126,7 +127,7 @@ def test_launch_key_is_the_spec_of_every_argument():
 @pytest.mark.parametrize("ints", [True, False])
 def test_direct_launch_passes_each_view_at_its_own_address(fake_triton, monkeypatch, ints):
     """A view 64 bytes into x (the same signature: direct) reaches the kernel at x's
-    address + 64: as an int by default, as the tensor itself with LILY_INT_POINTERS=0."""
+    address + 64: as an int with LILY_INT_POINTERS=1, else as the tensor itself."""
     monkeypatch.setattr(launch, "_INT_POINTERS", ints)
     k, slow = fake_triton
     x = torch.zeros(64, dtype=torch.float32)
