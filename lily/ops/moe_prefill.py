@@ -35,6 +35,7 @@ from lily.ops.arch import DEFAULT, Arch, current_arch
 from lily.ops.launch import cdiv, launched, mask_lo, pow2
 from lily.ops.moe_checks import check_moe
 from lily.ops.moe_decode_parts import topk_rows
+from lily.ops.moe_prefill_cols import cols_supported, moe_gemms_cols, tile_rows
 from lily.ops.qgemm import (
     GemmConfig,
     block_m_for,
@@ -134,17 +135,6 @@ def _moe_plan_kernel(
         tl.store(p_pairs + T * TOP_K + o_r, o_r * (TOP_K + 1) + TOP_K, mask=m_s)
 
 
-@triton.jit
-def _tile_rows(p_tile_e, p_tile_row, p_tile_n, p_pairs, b, BLOCK_M: tl.constexpr):
-    """(expert, first row, rows mask, pairs) of tile b of the block map."""
-    e = tl.load(p_tile_e + b)
-    row0 = tl.load(p_tile_row + b)
-    o_m = tl.arange(0, BLOCK_M)
-    m_m = o_m < tl.load(p_tile_n + b)
-    pairs = tl.load(p_pairs + row0 + o_m, mask=m_m, other=0)
-    return e, row0, m_m, pairs
-
-
 @launched
 @triton.jit
 def _moe_gate_up_kernel(
@@ -159,7 +149,7 @@ def _moe_gate_up_kernel(
     pid = tl.program_id(0)
     b = pid // N_BLOCKS
     i_n = pid % N_BLOCKS
-    e, row0, m_m, pairs = _tile_rows(p_tile_e, p_tile_row, p_tile_n, p_pairs, b, BLOCK_M)
+    e, row0, m_m, pairs = tile_rows(p_tile_e, p_tile_row, p_tile_n, p_pairs, b, BLOCK_M)
     is_shared = e == E
     n_rows = tl.where(is_shared, I_S, I_E)
     if (e >= 0) & (i_n * BLOCK_N < n_rows):
@@ -216,7 +206,7 @@ def _moe_down_kernel(
     pid = tl.program_id(0)
     b = pid // N_BLOCKS
     i_n = pid % N_BLOCKS
-    e, row0, m_m, pairs = _tile_rows(p_tile_e, p_tile_row, p_tile_n, p_pairs, b, BLOCK_M)
+    e, row0, m_m, pairs = tile_rows(p_tile_e, p_tile_row, p_tile_n, p_pairs, b, BLOCK_M)
     if e >= 0:
         is_shared = e == E
         if is_shared:
@@ -324,6 +314,11 @@ def router_gemm_config(t: int, group_size: int, arch: Arch = DEFAULT) -> GemmCon
     return GemmConfig(min(64, block_m_for(t)), 64, max(64, group_size), num_warps=4, num_stages=3)
 
 
+# moe_prefill_cols' GEMMs where the token tile is at most this many rows (0: never; 16:
+# chunks under 768 tokens, the table's 16-row tile). Off until measured on a GPU
+# (docs/notes/linear_kernels.md, "Fifteenth session"); its tile spills at 64 rows.
+COLS_MAX_BLOCK_M = 0
+
 # tokens per routing program: 8 against 16 took moe_prefill from 516.8 to 506.3 us a layer at
 # 1,128 tokens, 557 to 541 at 512, 723 to 717 at 2,048 (bench/results/route_tile_h200.json)
 ROUTE_BLOCK_T = 8
@@ -414,6 +409,13 @@ def moe_prefill(
     i_max = max(i, i_s)
     h = torch.empty((rows_total, i_max), dtype=torch.bfloat16, device=dev)
     sg, su, sd = (shared_gate, shared_up, shared_down) if has_shared else (gate[0], up[0], down[0])
+    experts = (gate, up, down, sg, su, sd)
+    if not atomic and bm <= COLS_MAX_BLOCK_M and cols_supported(x, experts, i, i_s or i):
+        # 4-5. both GEMMs with the tile's tokens as the MMA's columns (moe_prefill_cols.py)
+        y = torch.empty((t * ks, d), dtype=torch.bfloat16, device=dev)
+        moe_gemms_cols(x, pairs, tile_e, tile_row, tile_n, wts, h, y, gate, up, down, sg, su,
+                       sd, e, i, d, top_k, bm)  # fmt: skip
+        return _combine(y, residual, norm_weight, t, d, top_k, has_shared, False, eps, x.dtype)
     gu = cfg.gate_up
     nb = cdiv(i_max, gu.block_n)
     _moe_gate_up_kernel[(max_tiles * nb,)](
@@ -448,10 +450,18 @@ def moe_prefill(
         ATOMIC=atomic, ON_CPU=on_cpu, num_warps=dn.num_warps, num_stages=dn.num_stages,
     )  # fmt: skip
 
-    # 6. residual + sum over slots (or the fp32 buffer's rounding, with atomics).
-    out = torch.empty((t, d), dtype=x.dtype, device=dev)
+    return _combine(y, residual, norm_weight, t, d, top_k, has_shared, atomic, eps, x.dtype)
+
+
+def _combine(y: Tensor, residual: Tensor | None, norm_weight: Tensor | None, t: int, d: int,
+             top_k: int, has_shared: bool, atomic: bool, eps: float,
+             dtype: torch.dtype) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
+    """Launch 6: residual + sum over slots (or the fp32 buffer's rounding, with atomics),
+    with the next layer's input norm when ``norm_weight`` is given."""
+    dev, ks, on_cpu = y.device, top_k + 1, y.device.type == "cpu"
+    out = torch.empty((t, d), dtype=dtype, device=dev)
     norm = norm_weight is not None
-    h_next = torch.empty((t, d), dtype=x.dtype, device=dev) if norm else out
+    h_next = torch.empty((t, d), dtype=dtype, device=dev) if norm else out
     block_d = pow2(d) if norm else min(1024, pow2(d))  # the norm needs whole rows
     if atomic:
         n_slots, stride, res = 1, 1, None

@@ -137,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
                     # keeps the throughput it measured.
                     _write(args, device, result | {"partial": "rounds only (no TTFT yet)"})
                 result["ttft"] = serve_load.busy_ttft(
-                    load, args.prompt, args.busy, args.busy_tokens, 1 if warm else args.repeats,
+                    load,
+                    args.prompt,
+                    args.busy,
+                    args.busy_tokens,
+                    1 if warm else args.repeats,
                     engine=None if warm else engine,
                 )
             if args.gc_ab:

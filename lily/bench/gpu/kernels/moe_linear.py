@@ -146,7 +146,20 @@ def skewed_router(gen: torch.Generator, hot: int = 4) -> tuple[QuantWeight, torc
     return quantize(r, 8, 64), u
 
 
-def prefill_point(cfg, atomic, x, a, res, ref, t, flop, floor_us, extra: bool) -> dict:
+def prefill_point(cfg, atomic, x, a, res, ref, t, flop, floor_us, extra: bool,
+                  cols: bool = False) -> dict:  # fmt: skip
+    """One moe_prefill line; ``cols``: its GEMMs on moe_prefill_cols' column tile (16-row
+    token tiles; off in the engine until measured)."""
+    import lily.ops.moe_prefill as mp
+
+    saved, mp.COLS_MAX_BLOCK_M = mp.COLS_MAX_BLOCK_M, 16 if cols else 0
+    try:
+        return _prefill_point(cfg, atomic, x, a, res, ref, t, flop, floor_us, extra)
+    finally:
+        mp.COLS_MAX_BLOCK_M = saved
+
+
+def _prefill_point(cfg, atomic, x, a, res, ref, t, flop, floor_us, extra: bool) -> dict:
     fn = partial(moe_prefill, x, *a, TOP_K, res, atomic=atomic, config=cfg)
     err = rel(fn(), ref) if ref is not None else None
     us = bench_ms(fn) * 1e3
@@ -183,19 +196,22 @@ def moe_prefill_rows(ceil: dict, w: dict, gen: torch.Generator, sweeps: Sweeps) 
                            nbytes / ceil["copy_GBps"] / 1e3)  # fmt: skip
             ref = ref_moe(x, *a, TOP_K, res) if t == CHECK_T or routing == "skewed" else None
             # The table's tile (with and without the atomic combine), then each token tile.
-            points = [(None, False), (None, True)]
-            points += [(bm, False) for bm in sweeps.prefill_bm if routing == "uniform"]
-            for bm, atomic in points:
+            # the column tile where the table's token tile is 16 rows (under 768 tokens)
+            points = [(None, False, False), (None, True, False)]
+            points += [(None, False, True)] * (moe_prefill_config(t, TOP_K, E).block_m <= 16)
+            points += [(bm, False, False) for bm in sweeps.prefill_bm if routing == "uniform"]
+            for bm, atomic, cols in points:
                 cfg = moe_prefill_config(t, TOP_K, E)
                 if bm is not None:
                     tiles = moe_prefill_config(bm * E // TOP_K, TOP_K, E)
                     cfg = MoePrefillConfig(bm, tiles.gate_up, tiles.down)
                 name = ("table " if bm is None else "") + ("atomic " if atomic else "")
+                name += "cols " if cols else ""
                 base = {"op": "moe_prefill", "shape": routing, "T": t, "load": load,
                         "config": name + cfg_str(cfg)}  # fmt: skip
                 extra = bm is None and not atomic and routing == "uniform" and t <= 512
                 point = partial(prefill_point, cfg, atomic, x, a, res, ref, t, flop, floor_us,
-                                extra)  # fmt: skip
+                                extra, cols)  # fmt: skip
                 attempt(rows, base, point)
     base = {"op": "moe_prefill", "shape": f"chunks {STRESS_T}, NaN tokens, skewed",
             "T": STRESS_T[0], "config": "table"}  # fmt: skip
