@@ -7,7 +7,7 @@ pass the bf16 weights through shared memory into the warpgroup MMA: about 6 inst
 "Fifteenth session"). A short chunk has few tokens a expert (8 at 256 tokens), so that
 dequantization, not the MMA, is the work. Here the weights take qgemv_mma's tile
 (``mma_tile``, ``mma_codes``: one LOP3 a pair of codes, straight into the MMA's A registers)
-and each group's product is scaled in fp32 after the MMA (``rows_terms``: the batched
+and each group's product is scaled in fp32 after the MMA (``rows_products``: the batched
 decode's rows tile, with the tile's tokens as its columns), over a loop on K of GK groups a
 step (one a warp). The products are exact: the codes are exact in bf16, the tokens' values
 are bf16 (x, and h as moe_prefill stores it), the scales apply in fp32; moe_prefill's GEMMs
@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from lily.ops.launch import launched
-from lily.ops.mma_rows import rows_operand, rows_terms
+from lily.ops.mma_rows import rows_operand, rows_products
 from lily.ops.norm_rope import sigmoid
 from lily.ops.qgemv_mma import PAIR_MASK, mma_supports, mma_tile
 
@@ -41,12 +41,12 @@ def tile_rows(p_tile_e, p_tile_row, p_tile_n, p_pairs, b, BLOCK_M: tl.constexpr)
 
 
 @triton.jit
-def cols_terms(p_qw, p_s, p_b, stride_qn, stride_sn, row0, N, b_x, step, pair_mask,
-               GK: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, W: tl.constexpr,
-               EVEN_N: tl.constexpr, ON_CPU: tl.constexpr):  # fmt: skip
-    """K step ``step`` (groups step * GK..) of rows row0.. (BLOCK_N of N) times the columns
-    b_x (BLOCK_M, GK * GROUP) fp32 of bf16 values: fp32 (GK, BLOCK_N, BLOCK_M), a group's
-    product a batch."""
+def cols_acc(acc, p_qw, p_s, p_b, stride_qn, stride_sn, row0, N, b_x, step, pair_mask,
+             GK: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, W: tl.constexpr,
+             EVEN_N: tl.constexpr, ON_CPU: tl.constexpr):  # fmt: skip
+    """``acc`` (GK, BLOCK_N, BLOCK_M) fp32 plus K step ``step`` (groups step * GK..) of rows
+    row0.. (BLOCK_N of N) times the columns b_x (BLOCK_M, GK * GROUP) fp32 of bf16 values,
+    a group's product a batch (summed over the batches once, after the loop)."""
     WPG: tl.constexpr = GROUP // 8  # words a group
     # NOTE: the step's first word is a multiple of WPG words from a row's start (rows start
     # on 16 bytes): mma_tile's vector loads stay.
@@ -54,7 +54,10 @@ def cols_terms(p_qw, p_s, p_b, stride_qn, stride_sn, row0, N, b_x, step, pair_ma
                              row0, N, stride_qn, stride_sn, 0, 0, GROUP, GK, GK, BLOCK_N, W, 0,
                              EVEN_N, True)  # fmt: skip
     b_xb, b_xs = rows_operand(b_x, GK, GROUP, W, ON_CPU)
-    return rows_terms(b_w, b_s, b_b, b_xb, b_xs, pair_mask, GK, BLOCK_N, ON_CPU)
+    b_d, b_s, b_c = rows_products(b_w, b_s, b_b, b_xb, pair_mask, GK, BLOCK_N, ON_CPU)
+    # two FFMAs an element (acc + s D + c xs as one expression took an FMUL, FFMA and FADD)
+    acc = acc + b_s[:, :, None] * b_d
+    return acc + b_c[:, :, None] * b_xs[:, None, :]
 
 
 @triton.jit
@@ -106,10 +109,10 @@ def _moe_gate_up_cols_kernel(
         acc_u = tl.zeros((GK, BLOCK_N, BLOCK_M), tl.float32)
         for step in range(K_STEPS):
             b_x = _cols(p_x, tok, m_m, stride_xt, step * (GK * GROUP), GK, GROUP)
-            acc_g += cols_terms(gw, gs, gb, sqn, ssn, row0, n_rows, b_x, step, pair_mask, GK,
-                                GROUP, BLOCK_N, W, EVEN_N, ON_CPU)  # fmt: skip
-            acc_u += cols_terms(uw, us, ub, sqn, ssn, row0, n_rows, b_x, step, pair_mask, GK,
-                                GROUP, BLOCK_N, W, EVEN_N, ON_CPU)  # fmt: skip
+            acc_g = cols_acc(acc_g, gw, gs, gb, sqn, ssn, row0, n_rows, b_x, step, pair_mask,
+                             GK, GROUP, BLOCK_N, W, EVEN_N, ON_CPU)  # fmt: skip
+            acc_u = cols_acc(acc_u, uw, us, ub, sqn, ssn, row0, n_rows, b_x, step, pair_mask,
+                             GK, GROUP, BLOCK_N, W, EVEN_N, ON_CPU)  # fmt: skip
         b_g = tl.sum(acc_g, axis=0)
         b_u = tl.sum(acc_u, axis=0)
         b_h = b_g * sigmoid(b_g) * b_u  # (BLOCK_N, BLOCK_M)
@@ -152,8 +155,8 @@ def _moe_down_cols_kernel(
         acc = tl.zeros((GK, BLOCK_N, BLOCK_M), tl.float32)
         for step in range(K_STEPS):
             b_x = _cols(p_h, o_r, m_m, stride_h, step * (GK * GROUP), GK, GROUP)
-            acc += cols_terms(dw, ds, db, sqn, ssn, row0, D, b_x, step, pair_mask, GK, GROUP,
-                              BLOCK_N, W, EVEN_N, ON_CPU)  # fmt: skip
+            acc = cols_acc(acc, dw, ds, db, sqn, ssn, row0, D, b_x, step, pair_mask, GK, GROUP,
+                           BLOCK_N, W, EVEN_N, ON_CPU)  # fmt: skip
         b_r = tl.load(p_wts + pairs, mask=m_m, other=0.0)
         b_o = tl.sum(acc, axis=0) * b_r[None, :]
         o_n = row0 + tl.arange(0, BLOCK_N)
