@@ -9,8 +9,9 @@ one the engine passes. What this module owns is the inputs that reach every entr
 tile table: the prefill lengths (``prefill_lengths``: the tables scanned over all chunk
 lengths, the first length of each choice kept), the decode context lengths
 (``decode_lengths``: the attention launch plan scanned over all context lengths), the batch
-sizes, the prefix-cache cut inside a chunk, and the launches a meta run cannot reach (the
-flash attention's key split, picked from the SM count of a real GPU).
+sizes, the prefix-cache cut inside a chunk, the switched-off forms the benchmarks measure
+(moe_prefill's column tile, the batched step's ROWS switches), and the launches a meta run
+cannot reach (the flash attention's key split, picked from the SM count of a real GPU).
 """
 
 from __future__ import annotations
@@ -188,6 +189,23 @@ def _rows(cfg: ModelConfig, dtype: torch.dtype, runner, arch: Arch, note) -> Non
         passed(range(2, MAX_ROWS + 1), "ROWS_PREP operand8 ROWS_MOE")
 
 
+def _cols(cfg: ModelConfig, dtype: torch.dtype, runner, arch: Arch, note) -> None:
+    """A prefill chunk with moe_prefill's GEMMs on the column tile (lily/ops/moe_prefill.py
+    COLS_MAX_BLOCK_M, off by default): the longest chunk whose token tile it takes."""
+    import lily.ops.moe_prefill as mp
+    from lily.ops.moe_prefill import moe_prefill_config
+
+    cap = 16
+    top_k, e = cfg.num_experts_per_tok, cfg.num_experts
+    fits = [t for t in prefill_lengths(cfg, arch, dtype.itemsize)
+            if t > 8 and moe_prefill_config(t, top_k, e, arch).block_m <= cap]  # fmt: skip
+    with _switched(((mp, "COLS_MAX_BLOCK_M", cap),)):
+        for t in fits[-1:]:
+            with record_launches() as rec:
+                runner.prefill(list(range(t)), _state(cfg, dtype))
+            note(f"prefill T={t}, moe_prefill_cols", rec)
+
+
 @contextlib.contextmanager
 def _switched(switches):
     """Module attributes set to the given values while recording, put back afterwards:
@@ -226,6 +244,7 @@ def launches(v: Variant, arch: Arch) -> dict[Launch, list[str]]:
                 cuts = [state.length + t // 2] if t > 1 else []
                 runner.prefill_snapshots(ids, state, cuts)
             note(f"prefill T={t}", rec)
+        _cols(cfg, dtype, runner, arch, note)
         for n in decode_lengths(arch, min(MAX_CONTEXT, cfg.max_position_embeddings)):
             state = _state(cfg, dtype, capacity=n)
             state.length = n - 1
