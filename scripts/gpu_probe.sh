@@ -6,8 +6,9 @@
 # 1. the prefill chunk's host time, 1,024 tokens, the device asleep: tensors passed to the
 #    direct launch (the default) against their int addresses (LILY_INT_POINTERS=1);
 # 2. the whole suite's GPU half (tests/ops, tests/model, tests/runtime);
-# 3. the streams' longest gap beside a new 4K prompt with the serve changes (quick form);
-# 4. the per-program trace of the 8-row MoE launches, and its kernels' own test.
+# 3. moe_prefill's GEMMs on the column tile against the table's (kernels.linear, --quick);
+# 4. the streams' longest gap beside a new 4K prompt with the serve changes (quick form);
+# 5. the per-program trace of the 8-row MoE launches, and its kernels' own test.
 # Everything lands in $OUT (logs, JSON, the suite's report).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +38,13 @@ host_time ints LILY_INT_POINTERS=1
 
 bash scripts/gpu_suite.sh a 200 2>&1 | tail -12
 echo "suite a: done at $(now) s"
+
+if (($(left) > 200)); then  # moe_prefill's column tile beside the table's (off by default)
+    timeout 150 python3 -m lily.bench.gpu.kernels.linear --only moe_prefill --quick \
+        --out "$out/moe_prefill_cols.json" > "$out/moe_prefill_cols.log" 2>&1
+    echo "moe_prefill cols: rc=$? at $(now) s"
+    grep -E "moe_prefill" "$out/moe_prefill_cols.log" | head -24
+fi
 
 if (($(left) > 150)); then
     timeout $(($(left) - 90)) python3 -m lily.bench.gpu.e2e.concurrency --concurrency 1 \
