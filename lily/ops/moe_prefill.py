@@ -35,7 +35,13 @@ from lily.ops.arch import DEFAULT, Arch, current_arch
 from lily.ops.launch import cdiv, launched, mask_lo, pow2
 from lily.ops.moe_checks import check_moe
 from lily.ops.moe_decode_parts import topk_rows
-from lily.ops.moe_prefill_cols import cols_supported, moe_gemms_cols, tile_rows
+from lily.ops.moe_prefill_cols import (
+    cols_supported,
+    down_weights,
+    gate_up_weights,
+    moe_gemms_cols,
+    tile_rows,
+)
 from lily.ops.qgemm import (
     GemmConfig,
     block_m_for,
@@ -419,12 +425,7 @@ def moe_prefill(
     gu = cfg.gate_up
     nb = cdiv(i_max, gu.block_n)
     _moe_gate_up_kernel[(max_tiles * nb,)](
-        x, pairs, tile_e, tile_row, tile_n, h,
-        gate.qweight, gate.scales, gate.biases, up.qweight, up.scales, up.biases,
-        gate.qweight.stride(0), gate.scales.stride(0), gate.qweight.stride(1),
-        gate.scales.stride(1),
-        sg.qweight, sg.scales, sg.biases, su.qweight, su.scales, su.biases,
-        sg.qweight.stride(0), sg.scales.stride(0),
+        x, pairs, tile_e, tile_row, tile_n, h, *gate_up_weights(gate, up, sg, su),
         e, i, i_s, d, x.stride(0), h.stride(0), mask_lo(gate.bits),
         TOP_K=top_k, BITS=gate.bits, GROUP=gate.group_size, BLOCK_M=bm, BLOCK_N=gu.block_n,
         BLOCK_K=gu.block_k, K_STEPS=cdiv(d, gu.block_k), N_BLOCKS=nb, ON_CPU=on_cpu,
@@ -440,10 +441,7 @@ def moe_prefill(
     else:
         y = torch.empty((t * ks, d), dtype=torch.bfloat16, device=dev)
     _moe_down_kernel[(max_tiles * nb,)](
-        h, pairs, tile_e, tile_row, tile_n, wts, y,
-        down.qweight, down.scales, down.biases, down.qweight.stride(0), down.scales.stride(0),
-        down.qweight.stride(1), down.scales.stride(1),
-        sd.qweight, sd.scales, sd.biases, sd.qweight.stride(0), sd.scales.stride(0),
+        h, pairs, tile_e, tile_row, tile_n, wts, y, *down_weights(down, sd),
         e, d, i, i_s, h.stride(0), y.stride(0), mask_lo(down.bits),
         TOP_K=top_k, BITS=down.bits, GROUP=down.group_size, BLOCK_M=bm, BLOCK_N=dn.block_n,
         BLOCK_K=dn.block_k, K_STEPS=cdiv(i_max, dn.block_k), N_BLOCKS=nb,

@@ -173,6 +173,23 @@ def cols_steps(groups: int) -> tuple[int, int]:
     return gk, groups // gk
 
 
+def gate_up_weights(gate, up, sg, su) -> tuple:
+    """The gate/up launches' weight arguments (moe_prefill's and this tile's): the routed
+    experts' words, scales and biases with their expert and row strides, then the shared
+    expert's (or any one expert's where there is none) with its row strides."""
+    return (gate.qweight, gate.scales, gate.biases, up.qweight, up.scales, up.biases,
+            gate.qweight.stride(0), gate.scales.stride(0), gate.qweight.stride(1),
+            gate.scales.stride(1), sg.qweight, sg.scales, sg.biases, su.qweight, su.scales,
+            su.biases, sg.qweight.stride(0), sg.scales.stride(0))  # fmt: skip
+
+
+def down_weights(down, sd) -> tuple:
+    """The down launches' weight arguments, as ``gate_up_weights``."""
+    return (down.qweight, down.scales, down.biases, down.qweight.stride(0),
+            down.scales.stride(0), down.qweight.stride(1), down.scales.stride(1), sd.qweight,
+            sd.scales, sd.biases, sd.qweight.stride(0), sd.scales.stride(0))  # fmt: skip
+
+
 def moe_gemms_cols(x, pairs, tile_e, tile_row, tile_n, wts, h, y, gate, up, down, sg, su, sd,
                    e: int, i: int, d: int, top_k: int, block_m: int,
                    block_n: int = 64) -> None:  # fmt: skip
@@ -190,12 +207,7 @@ def moe_gemms_cols(x, pairs, tile_e, tile_row, tile_n, wts, h, y, gate, up, down
     gk, steps = cols_steps(d // group)
     nb = triton.cdiv(i, block_n)
     _moe_gate_up_cols_kernel[(max_tiles * nb,)](
-        x, pairs, tile_e, tile_row, tile_n, h,
-        gate.qweight, gate.scales, gate.biases, up.qweight, up.scales, up.biases,
-        gate.qweight.stride(0), gate.scales.stride(0), gate.qweight.stride(1),
-        gate.scales.stride(1),
-        sg.qweight, sg.scales, sg.biases, su.qweight, su.scales, su.biases,
-        sg.qweight.stride(0), sg.scales.stride(0),
+        x, pairs, tile_e, tile_row, tile_n, h, *gate_up_weights(gate, up, sg, su),
         e, i, i, x.stride(0), h.stride(0), PAIR_MASK,
         TOP_K=top_k, GROUP=group, GK=gk, K_STEPS=steps, BLOCK_M=block_m, BLOCK_N=block_n,
         W=gk, N_BLOCKS=nb, EVEN_N=i % block_n == 0, ON_CPU=on_cpu, num_warps=gk,
@@ -203,10 +215,7 @@ def moe_gemms_cols(x, pairs, tile_e, tile_row, tile_n, wts, h, y, gate, up, down
     gk, steps = cols_steps(i // group)
     nb = triton.cdiv(d, block_n)
     _moe_down_cols_kernel[(max_tiles * nb,)](
-        h, pairs, tile_e, tile_row, tile_n, wts, y,
-        down.qweight, down.scales, down.biases, down.qweight.stride(0), down.scales.stride(0),
-        down.qweight.stride(1), down.scales.stride(1),
-        sd.qweight, sd.scales, sd.biases, sd.qweight.stride(0), sd.scales.stride(0),
+        h, pairs, tile_e, tile_row, tile_n, wts, y, *down_weights(down, sd),
         e, d, h.stride(0), y.stride(0), PAIR_MASK,
         GROUP=group, GK=gk, K_STEPS=steps, BLOCK_M=block_m, BLOCK_N=block_n, W=gk,
         N_BLOCKS=nb, EVEN_N=d % block_n == 0, ON_CPU=on_cpu, num_warps=gk,
