@@ -230,17 +230,6 @@ def rows_dot(b_w, b_s, b_b, b_xb, b_xs, pair_mask, G: tl.constexpr, BLOCK_N: tl.
              ON_CPU: tl.constexpr):  # fmt: skip
     """fp32 (BLOCK_N, BR): the tile's rows (``mma_tile``) times each row of x
     (``rows_operand``): qgemv_mma's ``mma_dot`` with a row of x in each column."""
-    b_d, b_s, b_c = rows_products(b_w, b_s, b_b, b_xb, pair_mask, G, BLOCK_N, ON_CPU)
-    b_t = b_s[:, :, None] * b_d + b_c[:, :, None] * b_xs[:, None, :]
-    return tl.sum(b_t, axis=0)
-
-
-@triton.jit
-def rows_products(b_w, b_s, b_b, b_xb, pair_mask, G: tl.constexpr, BLOCK_N: tl.constexpr,
-                  ON_CPU: tl.constexpr):  # fmt: skip
-    """Each group's product before its scale: (D (G, BLOCK_N, BR), scale s (G, BLOCK_N),
-    c = bias - 128 s (G, BLOCK_N)), fp32; the tile's rows times x are the sum over groups of
-    ``s D + c (the group's sum of x)``."""
     GROUP: tl.constexpr = b_xb.shape[1]
     b_a = mma_codes(b_w, pair_mask, G, BLOCK_N, GROUP, ON_CPU)
     b_d = tl.dot(b_a, b_xb, input_precision="ieee")  # (G, BLOCK_N, BR) fp32
@@ -248,7 +237,9 @@ def rows_products(b_w, b_s, b_b, b_xb, pair_mask, G: tl.constexpr, BLOCK_N: tl.c
     b_s = tl.reduce(tl.reshape(tl.permute(b_s, (4, 2, 3, 1, 0)), (G, BLOCK_N, 4)), 2, _first)
     b_b = tl.reduce(tl.reshape(tl.permute(b_b, (4, 2, 3, 1, 0)), (G, BLOCK_N, 4)), 2, _first)
     b_s = b_s.to(tl.float32)
-    return b_d, b_s, b_b.to(tl.float32) - 128.0 * b_s
+    b_b = b_b.to(tl.float32)
+    b_t = b_s[:, :, None] * b_d + (b_b - 128.0 * b_s)[:, :, None] * b_xs[:, None, :]
+    return tl.sum(b_t, axis=0)
 
 
 @triton.jit

@@ -25,9 +25,9 @@ import triton
 import triton.language as tl
 
 from lily.ops.launch import launched
-from lily.ops.mma_rows import rows_operand, rows_products
+from lily.ops.mma_rows import rows_operand
 from lily.ops.norm_rope import sigmoid
-from lily.ops.qgemv_mma import PAIR_MASK, mma_supports, mma_tile
+from lily.ops.qgemv_mma import PAIR_MASK, mma_codes, mma_supports, mma_tile
 
 
 @triton.jit
@@ -38,6 +38,31 @@ def tile_rows(p_tile_e, p_tile_row, p_tile_n, p_pairs, b, BLOCK_M: tl.constexpr)
     m_m = tl.arange(0, BLOCK_M) < tl.load(p_tile_n + b)
     pairs = tl.load(p_pairs + row0 + tl.arange(0, BLOCK_M), mask=m_m, other=0)
     return e, row0, m_m, pairs
+
+
+@triton.jit
+def _first(a, b):
+    return a
+
+
+@triton.jit
+def rows_products(b_w, b_s, b_b, b_xb, pair_mask, G: tl.constexpr, BLOCK_N: tl.constexpr,
+                  ON_CPU: tl.constexpr):  # fmt: skip
+    """Each group's product before its scale: (D (G, BLOCK_N, BR), scale s (G, BLOCK_N),
+    c = bias - 128 s (G, BLOCK_N)), fp32; the tile's rows times x are the sum over groups of
+    ``s D + c (the group's sum of x)``.
+
+    NOTE: the first half of lily/ops/mma_rows.py's ``rows_dot``, kept apart: built on it, the
+    batched decode's kernels compiled to other registers (1-27 a thread, compile matrix),
+    and they stay as the H200 measured them until it has timed both forms."""
+    GROUP: tl.constexpr = b_xb.shape[1]
+    b_a = mma_codes(b_w, pair_mask, G, BLOCK_N, GROUP, ON_CPU)
+    b_d = tl.dot(b_a, b_xb, input_precision="ieee")  # (G, BLOCK_N, BR) fp32
+    # One scale and bias a (group, row): the load's lane axis c holds copies.
+    b_s = tl.reduce(tl.reshape(tl.permute(b_s, (4, 2, 3, 1, 0)), (G, BLOCK_N, 4)), 2, _first)
+    b_b = tl.reduce(tl.reshape(tl.permute(b_b, (4, 2, 3, 1, 0)), (G, BLOCK_N, 4)), 2, _first)
+    b_s = b_s.to(tl.float32)
+    return b_d, b_s, b_b.to(tl.float32) - 128.0 * b_s
 
 
 @triton.jit
