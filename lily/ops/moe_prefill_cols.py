@@ -4,7 +4,7 @@
 Why: moe_prefill's GEMMs dequantize every code in fp32 (an FFMA and half an F2FP each) and
 pass the bf16 weights through shared memory into the warpgroup MMA: about 6 instructions a
 4-bit code in their K loop (compile-only sm_90 counts, docs/notes/linear_kernels.md,
-"Fifteenth session"). A short chunk has few tokens a expert (8 at 256 tokens), so that
+"Fifteenth session"). A short chunk has few tokens an expert (8 at 256 tokens), so that
 dequantization, not the MMA, is the work. Here the weights take qgemv_mma's tile
 (``mma_tile``, ``mma_codes``: one LOP3 a pair of codes, straight into the MMA's A registers)
 and each group's product is scaled in fp32 after the MMA (``rows_products``: the batched

@@ -195,8 +195,8 @@ def moe_prefill_rows(ceil: dict, w: dict, gen: torch.Generator, sweeps: Sweeps) 
             floor_us = max(flop / ceil["bf16_matmul_TFLOPs"] / 1e6,
                            nbytes / ceil["copy_GBps"] / 1e3)  # fmt: skip
             ref = ref_moe(x, *a, TOP_K, res) if t == CHECK_T or routing == "skewed" else None
-            # The table's tile (with and without the atomic combine), then each token tile.
-            # the column tile where the table's token tile is 16 rows (under 768 tokens)
+            # The table's tile (with and without the atomic combine; on moe_prefill_cols'
+            # column tile where the table's token tile is 16 rows), then each token tile.
             points = [(None, False, False), (None, True, False)]
             points += [(None, False, True)] * (moe_prefill_config(t, TOP_K, E).block_m <= 16)
             points += [(bm, False, False) for bm in sweeps.prefill_bm if routing == "uniform"]
