@@ -28,6 +28,7 @@ from lily.ops.launch import launched
 from lily.ops.mma_rows import rows_operand
 from lily.ops.norm_rope import sigmoid
 from lily.ops.qgemv_mma import PAIR_MASK, mma_codes, mma_supports, mma_tile
+from lily.ops.rmsnorm import cast_to
 
 
 @triton.jit
@@ -144,7 +145,8 @@ def _moe_gate_up_cols_kernel(
         o_n = row0 + tl.arange(0, BLOCK_N)
         o_r = (t_row + tl.arange(0, BLOCK_M)).to(tl.int64)
         p_hb = p_h + o_r[None, :] * stride_h + o_n[:, None]
-        tl.store(p_hb, b_h.to(p_h.dtype.element_ty), mask=(o_n < n_rows)[:, None] & m_m[None, :])
+        b_h = cast_to(b_h, p_h.dtype.element_ty, ON_CPU)  # (rounded as on the GPU)
+        tl.store(p_hb, b_h, mask=(o_n < n_rows)[:, None] & m_m[None, :])
 
 
 @launched
@@ -186,7 +188,8 @@ def _moe_down_cols_kernel(
         b_o = tl.sum(acc, axis=0) * b_r[None, :]
         o_n = row0 + tl.arange(0, BLOCK_N)
         p_o = p_y + pairs.to(tl.int64)[None, :] * stride_y + o_n[:, None]
-        tl.store(p_o, b_o.to(p_y.dtype.element_ty), mask=(o_n < D)[:, None] & m_m[None, :])
+        b_o = cast_to(b_o, p_y.dtype.element_ty, ON_CPU)
+        tl.store(p_o, b_o, mask=(o_n < D)[:, None] & m_m[None, :])
 
 
 def cols_steps(groups: int) -> tuple[int, int]:

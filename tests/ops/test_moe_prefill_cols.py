@@ -57,8 +57,9 @@ def _inputs(t: int, d: int, seed: int, device: str):
 )
 def test_cols_gemms_match_the_reference(poison, device, cols, d, i, gs, shared, block_m, t):
     """Through moe_prefill (its routing, plan and combine): the output within bf16 rounding
-    of the fp32 reference, as close as moe_prefill's own GEMMs are, and the column tile
-    was the one that ran."""
+    of the fp32 reference and at least as close as moe_prefill's own GEMMs (which round
+    each weight to bf16 first; the column tile multiplies the exact codes), and the column
+    tile was the one that ran."""
     w = make_moe(5, 4, gs, shared, seed=d + i, device=device, d=d, i_e=i, i_s=i)
     x, res = _inputs(t, d, 3, device)
     cfg = MoePrefillConfig(block_m, GemmConfig(block_m, 32, 64), GemmConfig(block_m, 64, 64))
@@ -69,7 +70,7 @@ def test_cols_gemms_match_the_reference(poison, device, cols, d, i, gs, shared, 
     mp.COLS_MAX_BLOCK_M = 0
     base = moe_prefill(x, *w.values(), 2, res, config=cfg)
     assert cols == [block_m]  # (the second call took moe_prefill's own GEMMs)
-    assert err < 1e-2 and err <= 1.5 * moe_err(base, w, x, 2, res) + 1e-3
+    assert err < 1e-2 and err <= moe_err(base, w, x, 2, res)
     assert rel_err(y.float(), base.float()) < 1e-2
 
 
