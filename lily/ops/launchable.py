@@ -194,8 +194,8 @@ def _cols(cfg: ModelConfig, dtype: torch.dtype, runner, arch: Arch, note) -> Non
     COLS_MAX_BLOCK_M, off by default): the longest chunk whose token tile it takes."""
     import lily.ops.moe_prefill as mp
     from lily.ops.moe_prefill import moe_prefill_config
+    from lily.ops.moe_prefill_cols import COLS_TILE as cap
 
-    cap = 16
     top_k, e = cfg.num_experts_per_tok, cfg.num_experts
     fits = [t for t in prefill_lengths(cfg, arch, dtype.itemsize)
             if t > 8 and moe_prefill_config(t, top_k, e, arch).block_m <= cap]  # fmt: skip

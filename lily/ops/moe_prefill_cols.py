@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lily.ops.launch import launched
+from lily.ops.launch import cdiv, launched
 from lily.ops.mma_rows import rows_operand
 from lily.ops.norm_rope import sigmoid
 from lily.ops.qgemv_mma import PAIR_MASK, mma_codes, mma_supports, mma_tile
@@ -218,6 +218,11 @@ def down_weights(down, sd) -> tuple:
             sd.scales, sd.biases, sd.qweight.stride(0), sd.scales.stride(0))  # fmt: skip
 
 
+# The token tile this form is for: moe_prefill's table gives 16 rows under 768 tokens, and
+# at 64 rows this tile spills (see moe_gemms_cols); COLS_MAX_BLOCK_M switched on is this.
+COLS_TILE = 16
+
+
 def moe_gemms_cols(x, pairs, tile_e, tile_row, tile_n, wts, h, y, gate, up, down, sg, su, sd,
                    e: int, i: int, d: int, top_k: int, block_m: int,
                    block_n: int = 64) -> None:  # fmt: skip
@@ -233,7 +238,7 @@ def moe_gemms_cols(x, pairs, tile_e, tile_row, tile_n, wts, h, y, gate, up, down
     on_cpu = x.device.type == "cpu"
     max_tiles = tile_e.shape[0]
     gk, steps = cols_steps(d // group)
-    nb = triton.cdiv(i, block_n)
+    nb = cdiv(i, block_n)
     _moe_gate_up_cols_kernel[(max_tiles * nb,)](
         x, pairs, tile_e, tile_row, tile_n, h, *gate_up_weights(gate, up, sg, su),
         e, i, i, x.stride(0), h.stride(0), PAIR_MASK,
@@ -241,7 +246,7 @@ def moe_gemms_cols(x, pairs, tile_e, tile_row, tile_n, wts, h, y, gate, up, down
         W=gk, N_BLOCKS=nb, EVEN_N=i % block_n == 0, ON_CPU=on_cpu, num_warps=gk,
     )  # fmt: skip
     gk, steps = cols_steps(i // group)
-    nb = triton.cdiv(d, block_n)
+    nb = cdiv(d, block_n)
     _moe_down_cols_kernel[(max_tiles * nb,)](
         h, pairs, tile_e, tile_row, tile_n, wts, y, *down_weights(down, sd),
         e, d, h.stride(0), y.stride(0), PAIR_MASK,

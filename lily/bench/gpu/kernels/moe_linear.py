@@ -10,6 +10,7 @@ from functools import partial
 
 import torch
 
+import lily.ops.moe_prefill as mp
 from lily.bench.gpu.kernels.common import (
     BF16,
     DEV,
@@ -37,6 +38,7 @@ from lily.model.ref import ref_moe, ref_qlinear, ref_route
 from lily.ops.moe_decode import moe_decode
 from lily.ops.moe_decode_config import MoeDecodeConfig
 from lily.ops.moe_prefill import MoePrefillConfig, moe_prefill, moe_prefill_config
+from lily.ops.moe_prefill_cols import COLS_TILE
 from lily.ops.qgemv import qgemv
 from lily.quant import QuantWeight, quantize
 
@@ -150,9 +152,7 @@ def prefill_point(cfg, atomic, x, a, res, ref, t, flop, floor_us, extra: bool,
                   cols: bool = False) -> dict:  # fmt: skip
     """One moe_prefill line; ``cols``: its GEMMs on moe_prefill_cols' column tile (16-row
     token tiles; off in the engine until measured)."""
-    import lily.ops.moe_prefill as mp
-
-    saved, mp.COLS_MAX_BLOCK_M = mp.COLS_MAX_BLOCK_M, 16 if cols else 0
+    saved, mp.COLS_MAX_BLOCK_M = mp.COLS_MAX_BLOCK_M, COLS_TILE if cols else 0
     try:
         return _prefill_point(cfg, atomic, x, a, res, ref, t, flop, floor_us, extra)
     finally:
@@ -198,7 +198,7 @@ def moe_prefill_rows(ceil: dict, w: dict, gen: torch.Generator, sweeps: Sweeps) 
             # The table's tile (with and without the atomic combine; on moe_prefill_cols'
             # column tile where the table's token tile is 16 rows), then each token tile.
             points = [(None, False, False), (None, True, False)]
-            points += [(None, False, True)] * (moe_prefill_config(t, TOP_K, E).block_m <= 16)
+            points += [(None, False, True)] * (moe_prefill_config(t, TOP_K, E).block_m <= COLS_TILE)
             points += [(bm, False, False) for bm in sweeps.prefill_bm if routing == "uniform"]
             for bm, atomic, cols in points:
                 cfg = moe_prefill_config(t, TOP_K, E)
